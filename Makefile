@@ -1,0 +1,35 @@
+# The two commands a newcomer needs: `make serve` and `make test` (see README.md).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+MODEL := checkpoints/smollm2-135m-instruct
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: serve test install install-test model clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+$(MODEL)/params: $(VENV)/.installed
+	$(PY) scripts/fetch_default_model.py
+
+model: $(MODEL)/params
+
+serve: install model
+	$(VENV)/bin/jaxserve generate --model $(MODEL) --chat "$(PROMPT)"
+
+test: install-test model
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) $(MODEL)

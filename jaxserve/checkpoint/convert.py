@@ -1,0 +1,186 @@
+"""Hugging Face (safetensors) or GGUF -> Orbax checkpoint directory.
+
+Layout of a converted model directory (what `jaxserve.checkpoint.load` reads):
+
+    DST/config.json              HF config (architecture, shapes, rope, special ids)
+    DST/tokenizer.json           HF `tokenizers` file
+    DST/tokenizer_config.json    chat template, special tokens
+    DST/generation_config.json
+    DST/params/                  Orbax checkpoint of the stacked parameter pytree
+                                 (see jaxserve.models.llama for its shapes)
+
+Everything is first written to a hidden temporary directory beside DST and renamed
+at the end, so a failed conversion never leaves a half-written DST.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import ml_dtypes
+import numpy as np
+from tqdm import tqdm
+
+from jaxserve.checkpoint.errors import ConversionError
+from jaxserve.checkpoint.safetensors_io import checkpoint_files, iter_tensors
+from jaxserve.config import ConfigError, ModelConfig
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+
+# HF name inside a decoder block -> (our name, transpose to input-major)
+_LAYER_MAP = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "self_attn.q_proj.weight": ("wq", True), "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True), "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.q_proj.bias": ("bq", False), "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+    "mlp.gate_proj.weight": ("w_gate", True), "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def expected_shapes(cfg: ModelConfig) -> dict:
+    """The parameter pytree's shapes for `cfg` (stacked layers; see jaxserve.models.llama)."""
+    L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    Q, KV = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layers = {"attn_norm": (L, D), "mlp_norm": (L, D), "wq": (L, D, Q), "wk": (L, D, KV), "wv": (L, D, KV),
+              "wo": (L, Q, D), "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}
+    if cfg.qkv_bias:
+        layers.update(bq=(L, Q), bk=(L, KV), bv=(L, KV))
+    shapes = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+def build_params(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype) -> dict:
+    """Place HF-named tensors ([out, in] layout) into the stacked, input-major pytree."""
+    shapes = expected_shapes(cfg)
+    params = {"layers": {k: np.zeros(s, dtype) for k, s in shapes["layers"].items()}}
+    seen = set()
+
+    def put(key, arr, target, index=None):
+        want = shapes["layers"][key][1:] if index is not None else shapes[key]
+        if tuple(arr.shape) != tuple(want):
+            raise ConversionError(f"tensor {name} has shape {tuple(arr.shape)}, expected {tuple(want)}")
+        if index is None:
+            target[key] = np.asarray(arr, dtype=dtype)
+        else:
+            target[key][index] = arr
+
+    for name, arr in tensors:
+        m = _LAYER_RE.match(name)
+        if m:
+            layer, rest = int(m.group(1)), m.group(2)
+            if rest.endswith("rotary_emb.inv_freq"):
+                continue
+            if rest not in _LAYER_MAP or layer >= cfg.num_layers:
+                raise ConversionError(f"unexpected tensor {name}")
+            key, transpose = _LAYER_MAP[rest]
+            if key not in shapes["layers"]:
+                raise ConversionError(f"unexpected tensor {name} for this config")
+            put(key, arr.T if transpose else arr, params["layers"], layer)
+            seen.add((key, layer))
+        elif name == "model.embed_tokens.weight":
+            put("embed", arr, params)
+        elif name == "model.norm.weight":
+            put("final_norm", arr, params)
+        elif name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue  # a tied model may still store the copy
+            put("lm_head", arr.T, params)
+        else:
+            raise ConversionError(f"unexpected tensor {name}")
+    missing = [f"model.layers.{i}.{hf}" for hf, (key, _) in _LAYER_MAP.items() if key in shapes["layers"]
+               for i in range(cfg.num_layers) if (key, i) not in seen]
+    missing += [k for k in ("embed", "final_norm", "lm_head") if k in shapes and k not in params]
+    if missing:
+        raise ConversionError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}")
+    return params
+
+
+def _read_source(src: Path):
+    """(hf config dict, tensor iterator, number of tensors, {tokenizer file name: text or path})."""
+    if src.is_file() and src.suffix == ".gguf":
+        from jaxserve.checkpoint.gguf_io import GGUFCheckpoint
+
+        g = GGUFCheckpoint(src)
+        return g.hf_config(), g.tensors(), len(g.reader.tensors), g.tokenizer_files()
+    if not src.exists():
+        raise ConversionError(f"{src}: no such file or directory")
+    if not src.is_dir():
+        raise ConversionError(f"{src}: expected a Hugging Face model directory or a .gguf file")
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise ConversionError(f"{src}: no config.json (expected a Hugging Face model directory or a .gguf file)")
+    try:
+        hf = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise ConversionError(f"{cfg_path}: not valid JSON ({e})") from None
+    files = checkpoint_files(src)
+
+    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+        for f in files:
+            yield from iter_tensors(f)
+
+    from jaxserve.checkpoint.safetensors_io import read_header
+    count = sum(len(read_header(f)[0]) for f in files)  # also checks every file for truncation
+    tok_files = {n: src / n for n in TOKENIZER_FILES if (src / n).is_file()}
+    return hf, tensors(), count, tok_files
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32", progress: bool = True) -> Path:
+    """Convert SRC (HF dir or .gguf) into an Orbax model directory at DST; returns DST."""
+    src, dst = Path(src), Path(dst)
+    if dtype not in DTYPES:
+        raise ConversionError(f"unsupported --dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+    if dst.exists():
+        raise ConversionError(f"{dst}: already exists; remove it or choose another destination")
+    hf, tensors, count, tok_files = _read_source(src)
+    try:
+        cfg = ModelConfig.from_hf(hf)
+    except ConfigError as e:
+        raise ConversionError(f"{src}: {e}") from None
+    bar = tqdm(tensors, total=count, desc=f"converting {src.name}", unit="tensor", disable=not progress)
+    params = build_params(cfg, bar, DTYPES[dtype])
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        hf = dict(hf, torch_dtype=dtype)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, default=_json_default))
+        for name, content in tok_files.items():
+            if isinstance(content, Path):
+                shutil.copyfile(content, tmp / name)
+            else:
+                (tmp / name).write_text(content)
+        save_params(tmp / "params", params)
+        os.rename(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+def save_params(path: Path, params: dict) -> None:
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(path.absolute(), params)
+    ckptr.wait_until_finished()
+
+
+def _json_default(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

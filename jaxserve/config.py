@@ -1,0 +1,168 @@
+"""Frozen, validated configuration.
+
+`ModelConfig` describes a Llama-family network and is built from a Hugging Face
+`config.json` (or from GGUF metadata by the converter, which writes such a
+config.json). Everything here is plain Python: no jax import, so the scheduler and
+the HTTP layer can read configs without touching the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot describe a model jaxserve can run."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """RoPE frequency scaling, as in HF `rope_scaling` (types `linear` and `llama3`)."""
+
+    type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.type not in ("linear", "llama3"):
+            raise ConfigError(f"unsupported rope_scaling type {self.type!r} (supported: linear, llama3)")
+        if self.factor <= 0:
+            raise ConfigError(f"rope_scaling factor must be > 0, got {self.factor}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from the dict of a Hugging Face `config.json`."""
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ConfigError("config.json has no 'architectures' entry")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        if hf.get("mlp_bias"):
+            raise ConfigError("mlp_bias=true is not supported")
+        try:
+            num_heads = int(hf["num_attention_heads"])
+            hidden = int(hf["hidden_size"])
+            scaling = hf.get("rope_scaling") or None
+            rope_params = hf.get("rope_parameters") or None  # transformers >= 5 spells it this way
+            theta = hf.get("rope_theta")
+            if rope_params:
+                theta = rope_params.get("rope_theta", theta)
+                if rope_params.get("rope_type", "default") != "default":
+                    scaling = rope_params
+            rope_scaling = None
+            if scaling:
+                kind = scaling.get("rope_type", scaling.get("type"))
+                if kind not in (None, "default"):
+                    rope_scaling = RopeScaling(
+                        type=kind,
+                        factor=float(scaling["factor"]),
+                        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+                        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+                    )
+            eos = hf.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            sliding = hf.get("sliding_window") if arch != "Qwen2ForCausalLM" or hf.get("use_sliding_window") else None
+            return cls(
+                architecture=arch,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+                head_dim=int(hf.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(theta if theta is not None else 10000.0),
+                rope_scaling=rope_scaling,
+                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+                sliding_window=int(sliding) if sliding else None,
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=tuple(int(e) for e in eos_ids),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks required key {e.args[0]!r}") from None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir}: no config.json")
+        return cls.from_hf(json.loads(path.read_text()))
+
+    def rope_inv_freq(self) -> list[float]:
+        """Per-pair inverse frequencies [head_dim // 2], with scaling applied (HF semantics)."""
+        half = self.head_dim // 2
+        inv = [1.0 / (self.rope_theta ** (2 * i / self.head_dim)) for i in range(half)]
+        s = self.rope_scaling
+        if s is None:
+            return inv
+        if s.type == "linear":
+            return [f / s.factor for f in inv]
+        # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth blend between.
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        out = []
+        for f in inv:
+            wavelen = 2 * math.pi / f
+            if wavelen > low_wavelen:
+                out.append(f / s.factor)
+            elif wavelen < high_wavelen:
+                out.append(f)
+            else:
+                smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+                    s.high_freq_factor - s.low_freq_factor)
+                out.append((1 - smooth) * f / s.factor + smooth * f)
+        return out

@@ -1,0 +1,95 @@
+"""Attention over a paged KV cache: the one dispatch point for the attention kernel.
+
+The cache of one layer is a flat array of token slots, `[num_slots, Hkv, D]`, where
+`num_slots = num_pages * page_size` and page `p` owns slots `p*page_size ...
+(p+1)*page_size - 1`. A sequence's block table lists its pages in order, so the
+keys of a sequence are the slots `block_table[i] * page_size + j`.
+
+`AttentionMetadata` is an explicit argument of every jitted step (no hidden
+globals across jit). The same metadata covers:
+  * no cache (the reference forward over whole prompts): keys are the step's own
+    tokens and `context_lens` is the prompt length;
+  * prefill and chunked prefill: the step's tokens are written at `slot_mapping`,
+    then every query reads all keys of its sequence up to its own position;
+  * decode: T == 1.
+
+Dimension letters: B batch, T query tokens, S key tokens, K kv heads, G query heads
+per kv head, D head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+MASK_VALUE = -1e30
+
+
+@struct.dataclass
+class AttentionMetadata:
+    positions: jax.Array  # [B, T] int32, absolute position of each query token
+    context_lens: jax.Array  # [B] int32, keys visible to the sequence after this step's writes
+    slot_mapping: jax.Array | None = None  # [B, T] int32 flat cache slot per token; >= num_slots drops it
+    block_tables: jax.Array | None = None  # [B, P] int32 pages of each sequence, in order
+    page_size: int = struct.field(pytree_node=False, default=16)
+    sliding_window: int | None = struct.field(pytree_node=False, default=None)
+
+
+def write_kv(cache: jax.Array, layer: jax.Array, slot_mapping: jax.Array, new: jax.Array) -> jax.Array:
+    """Scatter this step's keys or values into one layer of the cache.
+
+    cache [L, N, K, D]; new [B, T, K, D]; padding tokens carry an out-of-range slot
+    and are dropped, so they never touch a page that some sequence owns.
+    """
+    B, T, K, D = new.shape
+    return cache.at[layer, slot_mapping.reshape(B * T)].set(new.reshape(B * T, K, D).astype(cache.dtype), mode="drop")
+
+
+def gather_kv(cache: jax.Array, layer: jax.Array, block_tables: jax.Array, page_size: int) -> jax.Array:
+    """Keys or values of each sequence, in order: cache [L, N, K, D] -> [B, P*page_size, K, D]."""
+    B, P = block_tables.shape
+    slots = (block_tables[:, :, None] * page_size + jnp.arange(page_size)[None, None, :]).reshape(B, P * page_size)
+    return cache[layer, slots]
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+           context_lens: jax.Array, sliding_window: int | None) -> jax.Array:
+    """Causal grouped-query attention (XLA reference).
+
+    q [B, T, Hq, D]; k, v [B, S, K, D]; q_pos [B, T]; k_pos [B, S]; context_lens [B].
+    A key is visible to a query when k_pos <= q_pos, k_pos < context_len and, with a
+    sliding window, k_pos > q_pos - window. Returns [B, T, Hq, D].
+    """
+    B, T, Hq, D = q.shape
+    K = k.shape[2]
+    G = Hq // K
+    q = q.reshape(B, T, K, G, D)
+    scores = jnp.einsum("BTKGD,BSKD->BKGTS", q, k, preferred_element_type=jnp.float32) * (D ** -0.5)
+    visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] < context_lens[:, None, None])
+    if sliding_window is not None:
+        visible &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+    scores = jnp.where(visible[:, None, None, :, :], scores, MASK_VALUE)  # [B, K, G, T, S]
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v)
+    return out.reshape(B, T, Hq, D)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
+              kv_cache: tuple[jax.Array, jax.Array] | None, layer: jax.Array):
+    """One layer's attention; returns (out [B, T, Hq, D], updated kv_cache or None).
+
+    q [B, T, Hq, D]; k, v [B, T, K, D] for this step's tokens.
+    """
+    if kv_cache is None:
+        out = attend(q, k, v, meta.positions, meta.positions, meta.context_lens, meta.sliding_window)
+        return out, None
+    k_cache, v_cache = kv_cache
+    k_cache = write_kv(k_cache, layer, meta.slot_mapping, k)
+    v_cache = write_kv(v_cache, layer, meta.slot_mapping, v)
+    keys = gather_kv(k_cache, layer, meta.block_tables, meta.page_size)  # [B, S, K, D]
+    values = gather_kv(v_cache, layer, meta.block_tables, meta.page_size)
+    B, S = keys.shape[:2]
+    k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
+    out = attend(q, keys, values, meta.positions, k_pos, meta.context_lens, meta.sliding_window)
+    return out, (k_cache, v_cache)

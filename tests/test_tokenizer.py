@@ -1,0 +1,108 @@
+"""Tokenizer: chat templates render byte-identically to transformers' apply_chat_template,
+and the incremental detokenizer's pieces concatenate to decode(all ids) exactly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "You are a pirate. Answer in one line."},
+     {"role": "user", "content": "Where is the treasure?"},
+     {"role": "assistant", "content": "Under the old oak, matey."},
+     {"role": "user", "content": "And the map? 地図 🗺️"}],
+    [{"role": "system", "content": "Be brief."},
+     {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4"},
+     {"role": "user", "content": "  and 3*3, with spaces\n\nand newlines  "},
+     {"role": "assistant", "content": "9"},
+     {"role": "user", "content": "thanks"}],
+    [{"role": "user", "content": "No system message here."}],
+]
+
+# A Llama-3 style template: bos_token, trim, loop variables, raise_exception on bad roles.
+LLAMA3_STYLE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+# A template that uses tojson (non-ASCII must stay unescaped, as transformers does) and whitespace control.
+TOJSON_STYLE = """{%- for m in messages %}
+  {%- if m.role == 'system' %}
+<<SYS>>{{ m.content | tojson }}<</SYS>>
+  {%- else %}
+[{{ m.role | upper }}] {{ m.content }}
+  {%- endif %}
+{%- endfor %}
+{% if add_generation_prompt %}[ASSISTANT]{% endif %}"""
+
+
+def _with_template(src_dir, tmp_path, template):
+    d = tmp_path / "tok"
+    d.mkdir()
+    shutil.copy(src_dir / "tokenizer.json", d / "tokenizer.json")
+    cfg = json.loads((src_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("template", ["model", "llama3", "tojson"])
+def test_chat_template_matches_transformers(default_model_dir, tmp_path, template):
+    from transformers import AutoTokenizer
+
+    d = default_model_dir if template == "model" else _with_template(
+        default_model_dir, tmp_path, LLAMA3_STYLE if template == "llama3" else TOJSON_STYLE)
+    ours, hf = Tokenizer(d), AutoTokenizer.from_pretrained(str(d))
+    for conv in CONVERSATIONS:
+        for gen in (True, False):
+            expected = hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+            got = ours.apply_chat_template(conv, add_generation_prompt=gen)
+            assert got.encode() == expected.encode()
+            assert ours.encode(got, add_special_tokens=False) == hf(expected, add_special_tokens=False)["input_ids"]
+
+
+def test_model_template_has_system_turns(default_model):
+    """The default template puts each turn in <|im_start|>role ... <|im_end|> blocks."""
+    _, _, tok = default_model
+    text = tok.apply_chat_template(CONVERSATIONS[0])
+    assert text.startswith("<|im_start|>system\nYou are a pirate.")
+    assert text.endswith("<|im_start|>assistant\n")
+    assert text.count("<|im_start|>") == 5
+
+
+def test_template_errors_are_clear(default_model_dir, tmp_path):
+    tok = Tokenizer(_with_template(default_model_dir, tmp_path, LLAMA3_STYLE))
+    with pytest.raises(ChatTemplateError, match="bad role"):
+        tok.apply_chat_template([{"role": "robot", "content": "hi"}])
+
+
+CHARS = st.sampled_from(list("abc xyz.,!?\n") + list("日本語中文字東京") + ["😀", "🎉", "👩‍💻", "🇫🇷"] + list("éüñß"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(CHARS, min_size=1, max_size=40).map("".join))
+def test_incremental_detokenizer_reproduces_decode(default_model, text):
+    _, _, tok = default_model
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.add([i]) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == tok.decode(ids)
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)  # no broken character is ever emitted
+
+
+def test_detokenizer_holds_back_partial_characters(default_model):
+    """'東' is several byte-level tokens: nothing is emitted until the last of them arrives."""
+    _, _, tok = default_model
+    ids = tok.encode("東", add_special_tokens=False)
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.add([i]) for i in ids] == [""] * (len(ids) - 1) + ["東"]
