@@ -166,3 +166,54 @@ class ModelConfig:
                     s.high_freq_factor - s.low_freq_factor)
                 out.append((1 - smooth) * f / s.factor + smooth * f)
         return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How the engine lays out the KV cache and which step shapes it compiles.
+
+    Buckets: every step is padded to one of a few shapes, all compiled ahead of time
+    at start-up, so serving never compiles. Decode steps are [B, 1] with B from
+    `decode_batch_buckets` and attention over a context padded to one of
+    `context_buckets` tokens (shorter contexts read fewer pages). Prefill steps are
+    [B, T] with B from `prefill_batch_buckets` and T from `prefill_length_buckets`;
+    prompts longer than the largest T are prefilled in chunks.
+
+    `num_pages` wins over `kv_cache_memory_gib` when both are set; `max_model_len`
+    is capped by the model's own context length when the engine starts.
+    """
+
+    page_size: int = 16
+    kv_cache_memory_gib: float = 1.0
+    num_pages: int | None = None
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    context_buckets: tuple[int, ...] = (256, 1024, 2048)
+    prefill_batch_buckets: tuple[int, ...] = (1, 4)
+    prefill_length_buckets: tuple[int, ...] = (32, 128, 512)
+    dtype: str = "float32"
+    compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("decode_batch_buckets", "context_buckets", "prefill_batch_buckets", "prefill_length_buckets"):
+            value = tuple(sorted(set(int(v) for v in getattr(self, name))))
+            if not value or value[0] < 1:
+                raise ConfigError(f"{name} must be non-empty positive sizes, got {getattr(self, name)}")
+            object.__setattr__(self, name, value)
+        if self.page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.decode_batch_buckets[-1] < self.max_num_seqs:
+            raise ConfigError(f"largest decode batch bucket {self.decode_batch_buckets[-1]} < max_num_seqs "
+                              f"{self.max_num_seqs}")
+        if self.context_buckets[-1] < self.max_model_len:
+            raise ConfigError(f"largest context bucket {self.context_buckets[-1]} < max_model_len {self.max_model_len}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ConfigError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")

@@ -36,7 +36,7 @@ class ReferenceGenerator:
 
     def _new_cache(self):
         dtype = self.params["embed"].dtype
-        shape = (self.cfg.num_layers, self.num_pages * self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        shape = (self.cfg.num_layers, self.num_pages, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
     def _step_fn(self, params, tokens, positions, last, kv_cache):
@@ -48,7 +48,6 @@ class ReferenceGenerator:
             context_lens=positions[:, last] + 1,
             slot_mapping=jnp.where(valid, positions, n_slots),
             block_tables=jnp.arange(self.num_pages, dtype=jnp.int32)[None, :],
-            page_size=self.page_size,
             sliding_window=self.cfg.sliding_window,
         )
         hidden, kv_cache = self.model.forward_hidden(params, self.cfg, tokens, meta, kv_cache)

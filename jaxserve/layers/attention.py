@@ -1,9 +1,10 @@
 """Attention over a paged KV cache: the one dispatch point for the attention kernel.
 
-The cache of one layer is a flat array of token slots, `[num_slots, Hkv, D]`, where
-`num_slots = num_pages * page_size` and page `p` owns slots `p*page_size ...
-(p+1)*page_size - 1`. A sequence's block table lists its pages in order, so the
-keys of a sequence are the slots `block_table[i] * page_size + j`.
+The cache is `[L, num_pages, page_size, K, D]` per K and V. A token's slot is
+`page * page_size + offset`; a sequence's block table lists its pages in order, so
+its keys are the pages `block_table[0], block_table[1], ...` laid end to end.
+Reads gather whole pages (one index per page, a contiguous page_size*K*D block),
+which on CPU is several times faster than gathering token by token.
 
 `AttentionMetadata` is an explicit argument of every jitted step (no hidden
 globals across jit). The same metadata covers:
@@ -32,25 +33,28 @@ class AttentionMetadata:
     context_lens: jax.Array  # [B] int32, keys visible to the sequence after this step's writes
     slot_mapping: jax.Array | None = None  # [B, T] int32 flat cache slot per token; >= num_slots drops it
     block_tables: jax.Array | None = None  # [B, P] int32 pages of each sequence, in order
-    page_size: int = struct.field(pytree_node=False, default=16)
     sliding_window: int | None = struct.field(pytree_node=False, default=None)
 
 
 def write_kv(cache: jax.Array, layer: jax.Array, slot_mapping: jax.Array, new: jax.Array) -> jax.Array:
     """Scatter this step's keys or values into one layer of the cache.
 
-    cache [L, N, K, D]; new [B, T, K, D]; padding tokens carry an out-of-range slot
-    and are dropped, so they never touch a page that some sequence owns.
+    cache [L, NP, PS, K, D]; new [B, T, K, D]; padding tokens carry a slot past the
+    last page and are dropped, so they never touch a page that some sequence owns.
     """
     B, T, K, D = new.shape
-    return cache.at[layer, slot_mapping.reshape(B * T)].set(new.reshape(B * T, K, D).astype(cache.dtype), mode="drop")
+    page_size = cache.shape[2]
+    slots = slot_mapping.reshape(B * T)
+    return cache.at[layer, slots // page_size, slots % page_size].set(
+        new.reshape(B * T, K, D).astype(cache.dtype), mode="drop")
 
 
-def gather_kv(cache: jax.Array, layer: jax.Array, block_tables: jax.Array, page_size: int) -> jax.Array:
-    """Keys or values of each sequence, in order: cache [L, N, K, D] -> [B, P*page_size, K, D]."""
+def gather_kv(cache: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """Keys or values of each sequence, in order: cache [L, NP, PS, K, D] -> [B, P*PS, K, D]."""
     B, P = block_tables.shape
-    slots = (block_tables[:, :, None] * page_size + jnp.arange(page_size)[None, None, :]).reshape(B, P * page_size)
-    return cache[layer, slots]
+    _, _, PS, K, D = cache.shape
+    pages = jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False)  # [NP, PS, K, D]
+    return jnp.take(pages, block_tables, axis=0).reshape(B, P * PS, K, D)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
@@ -87,8 +91,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
     k_cache, v_cache = kv_cache
     k_cache = write_kv(k_cache, layer, meta.slot_mapping, k)
     v_cache = write_kv(v_cache, layer, meta.slot_mapping, v)
-    keys = gather_kv(k_cache, layer, meta.block_tables, meta.page_size)  # [B, S, K, D]
-    values = gather_kv(v_cache, layer, meta.block_tables, meta.page_size)
+    keys = gather_kv(k_cache, layer, meta.block_tables)  # [B, S, K, D]
+    values = gather_kv(v_cache, layer, meta.block_tables)
     B, S = keys.shape[:2]
     k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
     out = attend(q, keys, values, meta.positions, k_pos, meta.context_lens, meta.sliding_window)

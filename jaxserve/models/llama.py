@@ -84,7 +84,7 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, meta: At
                    kv_cache: tuple[jax.Array, jax.Array] | None = None):
     """Run the decoder stack. tokens [B, T] -> (hidden [B, T, D] after the final norm, kv_cache).
 
-    kv_cache, when given, is (k, v), each [L, num_slots, K, Dh]; it is returned updated.
+    kv_cache, when given, is (k, v), each [L, num_pages, page_size, K, Dh]; it is returned updated.
     """
     x = params["embed"][tokens]  # [B, T, D]
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)

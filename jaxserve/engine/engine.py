@@ -1,0 +1,341 @@
+"""The engine: Engine.step() = schedule -> run -> postprocess, and the bridges around it.
+
+The life of a request inside the engine:
+
+1. `add_request` validates it (non-empty, fits max_model_len and the page pool,
+   token ids inside the vocabulary), draws a seed if it has none, and queues a
+   `Sequence` as waiting.
+2. `step` asks the scheduler for a batch: a prefill step (prompt chunks of waiting
+   or mid-prompt sequences, pages allocated as the chunks arrive) or a decode step
+   (one token for every running sequence, preempting by recompute when pages run
+   out).
+3. The runner pads the batch to a compiled bucket, runs the jitted step (model +
+   on-device sampling, KV cache donated) and copies the sampled ids back.
+4. `postprocess` appends each sampled token, detokenizes incrementally, checks the
+   stop conditions (EOS / stop ids, stop strings, max_tokens, max_model_len), frees
+   the pages of finished sequences at once and returns one TokenEvent per request
+   that made progress.
+
+No exception escapes `step`: a request that fails in postprocess fails alone, and
+a failed device step finishes only the sequences that were in it, with an error.
+
+`LLM` is the offline API (a list of prompts in, completions out); `AsyncEngine` runs
+the same loop on a thread and hands each request's events to asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import AsyncIterator, Iterable
+
+from jaxserve.checkpoint.load import load_model
+from jaxserve.config import EngineConfig
+from jaxserve.engine.pages import PagePool, kv_bytes_per_page, pages_for_budget
+from jaxserve.engine.runner import ModelRunner, ScheduledItem, StepResult, enable_compilation_cache
+from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
+from jaxserve.engine.sequence import InvalidRequest, SamplingParams, Sequence, Status, TokenEvent
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Continuous batching over a paged KV cache for one model. Not thread-safe: one thread drives it."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, *, warmup: bool = True):
+        config = config or EngineConfig()
+        enable_compilation_cache(config.compilation_cache_dir)
+        self.model_dir = Path(model_dir)
+        self.tokenizer = Tokenizer(model_dir)
+        self.model_cfg, params = load_model(model_dir, dtype=config.dtype)
+        max_len = min(config.max_model_len, self.model_cfg.max_position_embeddings)
+        num_pages = config.num_pages or pages_for_budget(
+            int(config.kv_cache_memory_gib * 2**30),
+            kv_bytes_per_page(self.model_cfg.num_layers, config.page_size, self.model_cfg.num_kv_heads,
+                              self.model_cfg.head_dim, 4 if config.dtype == "float32" else 2))
+        if num_pages < 1:
+            raise ValueError("the KV cache budget holds no page; raise kv_cache_memory_gib")
+        self.config = dataclasses.replace(config, max_model_len=max_len)
+        self.pool = PagePool(num_pages, config.page_size)
+        self.runner = ModelRunner(self.model_cfg, params, self.config, num_pages)
+        max_chunk = self.config.prefill_length_buckets[-1]
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=self.config.max_num_seqs,
+            max_prefill_seqs=max(self.runner.prefill_batches),
+            max_prefill_chunk=max_chunk,
+            max_prefill_tokens=max(self.runner.prefill_batches) * max_chunk,
+            watermark_pages=max(1, num_pages // 100)), self.pool)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_cfg.eos_token_ids)
+        self._rng = random.Random(config.seed)
+        self._seqs: dict[str, Sequence] = {}
+        self.compile_seconds = self.runner.warmup() if warmup else 0.0
+        log.info("engine ready: %d pages of %d tokens, max_model_len %d, max_num_seqs %d",
+                 num_pages, config.page_size, max_len, self.config.max_num_seqs)
+
+    # Requests -----------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> Sequence:
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._seqs:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.model_cfg.vocab_size
+        if any(not (0 <= t < vocab) for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        limit = self.config.max_model_len
+        if len(ids) + params.max_tokens > limit:
+            raise InvalidRequest(f"this model's maximum context length is {limit} tokens; the prompt has "
+                                 f"{len(ids)} tokens and max_tokens is {params.max_tokens}")
+        capacity = self.pool.num_pages * self.pool.page_size
+        if len(ids) + params.max_tokens > capacity:
+            raise InvalidRequest(f"the KV cache holds {capacity} tokens; the prompt has {len(ids)} tokens and "
+                                 f"max_tokens is {params.max_tokens}")
+        seq = Sequence(request_id, ids, params, priority=priority)
+        seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        seq.seed &= 0xFFFFFFFF
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> TokenEvent | None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._event(seq, [], "", None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # The loop body --------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        try:
+            result = self.runner.run(batch.items, batch.decode)
+        except Exception as e:  # a failed device step ends the requests in it, and only them
+            log.exception("step failed; finishing %d request(s) with an error", len(batch.items))
+            events = []
+            for it in batch.items:
+                self.scheduler.finish(it.seq, "error")
+                self._seqs.pop(it.seq.request_id, None)
+                events.append(self._event(it.seq, [], "", None, error=f"{type(e).__name__}: {e}"))
+            return events
+        return self.postprocess(batch.items, result)
+
+    def postprocess(self, items: list[ScheduledItem], result: StepResult) -> list[TokenEvent]:
+        events = []
+        for i, it in enumerate(items):
+            seq = it.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed = it.start + it.length
+            if not it.samples:
+                continue
+            try:
+                events.append(self._append_token(seq, int(result.tokens[i]), self._logprobs(seq, result, i)))
+            except Exception as e:
+                log.exception("postprocess failed for %s", seq.request_id)
+                self.scheduler.finish(seq, "error")
+                self._seqs.pop(seq.request_id, None)
+                events.append(self._event(seq, [], "", None, error=f"{type(e).__name__}: {e}"))
+        return events
+
+    def _logprobs(self, seq: Sequence, result: StepResult, i: int) -> dict | None:
+        n = seq.params.logprobs
+        if n is None:
+            return None
+        top = [(int(t), float(lp)) for t, lp in zip(result.top_ids[i, :n], result.top_logprobs[i, :n])]
+        return {"token_id": int(result.tokens[i]), "logprob": float(result.logprobs[i]), "top": top}
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict | None) -> TokenEvent:
+        p = seq.params
+        seq.output_ids.append(token)
+        reason = None
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+            text = seq.detokenizer.flush()  # the stop token itself is not shown
+        else:
+            text = seq.detokenizer.add([token])
+            if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                reason = "length"
+                text += seq.detokenizer.flush()
+        full = seq.output_text + text
+        hit = min(((full.find(s), s) for s in p.stop if s in full), default=None)
+        if hit is not None:
+            full, reason = full[:hit[0]], "stop"
+        emit_upto = len(full)
+        if reason is None and p.stop:
+            # Hold back a tail that could still grow into a stop string.
+            emit_upto -= max((k for s in p.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
+        new_text = full[seq.emitted_chars:emit_upto]
+        seq.emitted_chars = max(seq.emitted_chars, emit_upto)
+        seq.output_text = full
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._seqs.pop(seq.request_id, None)
+        return self._event(seq, [token], new_text, reason, logprobs=logprobs)
+
+    def _event(self, seq: Sequence, token_ids, text, reason, logprobs=None, error=None) -> TokenEvent:
+        return TokenEvent(request_id=seq.request_id, token_ids=token_ids, text=text,
+                          finished=seq.is_finished, finish_reason=seq.finish_reason if seq.is_finished else reason,
+                          logprobs=[logprobs] if logprobs else None, prompt_tokens=len(seq.prompt_ids),
+                          completion_tokens=len(seq.output_ids), error=error)
+
+    def run_until_done(self) -> list[TokenEvent]:
+        events = []
+        while self.has_unfinished:
+            events.extend(self.step())
+        return events
+
+
+@dataclasses.dataclass
+class Completion:
+    """The offline result of one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[dict] | None = None
+
+
+class LLM:
+    """Offline batch generation: `LLM(model_dir, **engine_options).generate(prompts, sampling_params)`."""
+
+    def __init__(self, model_dir: str | Path, **engine_options):
+        self.engine = Engine(model_dir, EngineConfig(**engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Iterable[str | list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        seqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        logprobs: dict[str, list] = {s.request_id: [] for s in seqs}
+        for ev in self.engine.run_until_done():
+            if ev.logprobs and ev.request_id in logprobs:
+                logprobs[ev.request_id].extend(ev.logprobs)
+        return [Completion(request_id=s.request_id, prompt_token_ids=s.prompt_ids, token_ids=s.output_ids,
+                           text=s.output_text, finish_reason=s.finish_reason,
+                           logprobs=logprobs[s.request_id] if s.params.logprobs is not None else None)
+                for s in seqs]
+
+
+class AsyncEngine:
+    """Runs an Engine on its own thread; asyncio code submits requests and reads their events.
+
+    The engine thread owns the Engine. Requests and aborts reach it through a locked
+    inbox; each request's events go back through `loop.call_soon_threadsafe` into an
+    unbounded asyncio.Queue, so the engine thread never blocks on a slow client.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: list[tuple] = []
+        self._cv = threading.Condition()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = False
+        self.dead: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    def _post(self, item: tuple) -> None:
+        with self._cv:
+            self._inbox.append(item)
+            self._cv.notify()
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[TokenEvent]:
+        """Submit a request and iterate over its events; leaving the iteration early aborts it."""
+        request_id = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (loop, queue)
+        self._post(("add", request_id, prompt, params, priority))
+        finished = False
+        try:
+            while True:
+                ev = await queue.get()
+                if isinstance(ev, Exception):
+                    raise ev
+                yield ev
+                if ev.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._queues.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while True:
+            with self._cv:
+                while not self._inbox and not eng.has_unfinished and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                inbox, self._inbox = self._inbox, []
+            for item in inbox:
+                if item[0] == "add":
+                    _, rid, prompt, params, priority = item
+                    try:
+                        eng.add_request(prompt, params, request_id=rid, priority=priority)
+                    except Exception as e:  # invalid request: its caller gets the exception
+                        self._deliver(rid, e)
+                else:
+                    ev = eng.abort(item[1])
+                    if ev is not None:
+                        self._deliver(item[1], ev)
+            try:
+                events = eng.step()
+            except Exception as e:  # step() catches per request; this is a bug, keep serving
+                log.exception("engine step raised")
+                events = []
+                self.dead = f"{type(e).__name__}: {e}"
+            for ev in events:
+                self._deliver(ev.request_id, ev)
+            time.sleep(0)

@@ -1,0 +1,130 @@
+"""Request / Sequence: the host-side state of one request (plain Python, no jax)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot serve as given (empty prompt, too long, bad parameter)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Mirrors the OpenAI / vLLM parameters.
+
+    temperature 0 is greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those
+    filters. presence/frequency penalties (OpenAI) count generated tokens only;
+    repetition_penalty (HF / CTRL) applies to every token seen, prompt included.
+    seed None: the engine draws one, so the request is still reproducible in logs.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the chosen token's; n: plus the n most likely
+    skip_special_tokens: bool = True
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
+             f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequest(message)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    """What a request's consumer receives: new tokens and text, and the finish reason at the end."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[dict] | None = None  # per token: {"token_id", "logprob", "top": [(id, logprob), ...]}
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+class Sequence:
+    """One request as the scheduler and runner see it.
+
+    tokens = prompt_ids + output_ids. `num_computed` counts the tokens whose K/V are in
+    the cache; a sequence is prefilling while more than one token is uncomputed, and
+    decoding once only the newest sampled token is. Preemption by recompute drops
+    the pages and sets num_computed back to 0: the next prefill recomputes prompt and
+    output alike, and generation continues where it stopped.
+    """
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                 priority: int = 0, arrival: float | None = None):
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.priority = priority
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.status = Status.WAITING
+        self.pages: list[int] = []
+        self.num_computed = 0
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.output_text = ""  # detokenized so far (after stop-string truncation)
+        self.emitted_chars = 0  # how much of output_text has been sent in events
+        self.detokenizer = None  # set by the engine
+        self.seed = 0  # set by the engine: the request's seed, or one it drew
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens to feed before the next token can be sampled (>= 1 while running)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self):
+        return (f"Sequence({self.request_id!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "
+                f"computed={self.num_computed}, pages={len(self.pages)}, {self.status.value})")
