@@ -30,3 +30,10 @@ def default_model(default_model_dir):
 
 def write_json(path, obj):
     path.write_text(json.dumps(obj))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir):
+    from fakes import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", default_model_dir)

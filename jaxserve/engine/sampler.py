@@ -96,6 +96,6 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     sampled = jnp.argmax(candidates, axis=-1)
     tokens = jnp.where(s.temperature > 0, sampled, greedy).astype(jnp.int32)
 
-    top_lp, top_ids = jax.lax.top_k(raw, NUM_TOP_LOGPROBS)
+    top_lp, top_ids = jax.lax.top_k(raw, min(NUM_TOP_LOGPROBS, V))
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     return SampleOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)

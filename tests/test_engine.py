@@ -1,0 +1,166 @@
+"""The batch engine on the real default model and on a tiny random model.
+
+Expected outputs come from `ReferenceGenerator` (one sequence, no batching, checked
+against transformers in test_default_model.py) or from the same engine run with one
+request at a time.
+"""
+
+from __future__ import annotations
+
+import random
+
+import jax
+import pytest
+
+from jaxserve.engine.engine import Engine, LLM
+from jaxserve.engine.sequence import InvalidRequest, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.reference import ReferenceGenerator
+
+WORDS = ("river mountain quiet lantern copper orchard signal harbor meadow puzzle velvet engine "
+         "garden thunder pencil marble ocean violet candle window ladder forest").split()
+
+SMALL = dict(max_num_seqs=32, decode_batch_buckets=(1, 8, 32), context_buckets=(256,), max_model_len=256,
+             prefill_length_buckets=(32, 128), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
+
+
+def chat_prompts(tok, n, seed=0):
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 70)))
+        prompts.append(tok.encode_chat([{"role": "user", "content": f"Write about: {text}"}]))
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_dir):
+    return Engine(default_model_dir, EngineConfig(**SMALL))
+
+
+def run_alone(engine, prompt, params):
+    seq = engine.add_request(prompt, params)
+    engine.run_until_done()
+    return seq.output_ids
+
+
+def test_greedy_matches_reference_path(engine):
+    """Includes a prompt longer than the largest prefill bucket (128), so chunked prefill is exercised."""
+    tok = engine.tokenizer
+    prompts = chat_prompts(tok, 5, seed=1)
+    prompts.append(tok.encode_chat([{"role": "user", "content": " ".join(WORDS * 7)}]))
+    assert max(len(p) for p in prompts) > 128
+    ref = ReferenceGenerator(engine.model_cfg, engine.runner.params, max_len=256)
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)) for p in prompts]
+    engine.run_until_done()
+    for p, s in zip(prompts, seqs):
+        assert s.output_ids == ref.generate(p, 16)
+        assert s.finish_reason == "length"
+    assert engine.pool.num_used == 0
+
+
+def test_batch_invariance_greedy_and_seeded(engine):
+    """32 prompts, each greedy and seeded-sampled: alone, then all 64 arriving two per step."""
+    prompts = chat_prompts(engine.tokenizer, 32, seed=2)
+    params = ([SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)] * 32
+              + [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=100 + i, ignore_eos=True)
+                 for i in range(32)])
+    prompts = prompts + prompts
+    alone = [run_alone(engine, p, sp) for p, sp in zip(prompts, params)]
+    assert engine.pool.num_used == 0
+
+    order = list(range(64))
+    random.Random(3).shuffle(order)
+    seqs = {}
+    max_running = 0
+    while order or engine.has_unfinished:
+        for i in order[:2]:
+            seqs[i] = engine.add_request(prompts[i], params[i])
+        order = order[2:]
+        engine.step()
+        max_running = max(max_running, engine.num_running)
+    assert max_running >= 16  # they really ran together
+    for i in range(64):
+        assert seqs[i].output_ids == alone[i], f"request {i} differs when batched"
+    assert alone[32:] != alone[:32]  # sampling did sample
+    assert engine.pool.num_used == 0
+
+
+def test_no_compilation_after_warmup(engine):
+    events = []
+
+    def listener(name, *args, **kwargs):
+        if "compile" in name or "trace" in name:
+            events.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.jit(lambda x: x * 3)(1.0)  # the listener does see a compilation
+        assert events
+        events.clear()
+        tok = engine.tokenizer
+        prompts = chat_prompts(tok, 20, seed=4) + [tok.encode_chat([{"role": "user", "content": " ".join(WORDS * 7)}])]
+        kinds = [SamplingParams(max_tokens=8, temperature=0),
+                 SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1, logprobs=5),
+                 SamplingParams(max_tokens=5, temperature=0.7, top_k=20, min_p=0.05, presence_penalty=0.5,
+                                frequency_penalty=0.3, repetition_penalty=1.2),
+                 SamplingParams(max_tokens=20, temperature=0, stop=("\n",))]
+        seqs = [engine.add_request(p, kinds[i % 4]) for i, p in enumerate(prompts)]
+        for _ in range(3):
+            engine.step()
+        engine.abort(seqs[0].request_id)
+        engine.run_until_done()
+        one = engine.add_request(prompts[1], kinds[1])
+        engine.run_until_done()
+        assert one.finish_reason in ("stop", "length")
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert events == []
+    assert engine.pool.num_used == 0
+
+
+def test_stop_strings_and_logprobs(engine):
+    tok = engine.tokenizer
+    prompt = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    free = run_alone(engine, prompt, SamplingParams(max_tokens=20, temperature=0))
+    text = tok.decode(free)
+    assert "Paris" in text
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0, stop=("Paris",), logprobs=3))
+    events = engine.run_until_done()
+    assert seq.finish_reason == "stop"
+    assert seq.output_text == text[:text.index("Paris")]
+    streamed = "".join(e.text for e in events if e.request_id == seq.request_id)
+    assert streamed == seq.output_text
+    lps = [lp for e in events if e.request_id == seq.request_id and e.logprobs for lp in e.logprobs]
+    assert len(lps) == len(seq.output_ids)
+    assert all(lp["top"][0][0] == lp["token_id"] for lp in lps)  # greedy: the chosen token is the top one
+    assert all(len(lp["top"]) == 3 and lp["logprob"] <= 0 for lp in lps)
+
+
+def test_invalid_requests_are_refused_clearly(engine):
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(InvalidRequest, match=r"256 tokens.*250 tokens.*max_tokens is 10"):
+        engine.add_request([5] * 250, SamplingParams(max_tokens=10))
+    with pytest.raises(InvalidRequest, match="token ids"):
+        engine.add_request([10**7], SamplingParams())
+    with pytest.raises(InvalidRequest, match="top_p"):
+        SamplingParams(top_p=0)
+    assert not engine.has_unfinished
+
+
+def test_small_page_pool_completes_everything(tiny_model_dir):
+    """12 pages of 16 tokens cannot hold eight 40-70 token requests at once: the scheduler waits
+    and preempts by recompute, and each greedy output equals the one from an ample pool."""
+    opts = dict(max_num_seqs=8, decode_batch_buckets=(1, 8), context_buckets=(128,), max_model_len=128,
+                prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(10, 40))] for _ in range(8)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ample = LLM(tiny_model_dir, **opts).generate(prompts, params)
+    small = LLM(tiny_model_dir, num_pages=12, **opts)
+    outs = small.generate(prompts, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.finish_reason for o in outs] == ["length"] * 8
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ample]
+    assert small.engine.pool.num_used == 0

@@ -1,0 +1,106 @@
+"""Page pool and scheduler bookkeeping, driven by hypothesis through random sequences of
+add / schedule / run / finish / abort against a small pool. After every action: no page
+is owned by two sequences, the pool's used count equals the pages sequences hold, each
+owned page has reference count 1, and a running sequence holds enough pages for the
+tokens it has computed. At the end everything is finished and no page is left in use."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from jaxserve.engine.pages import OutOfPages, PagePool
+from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
+from jaxserve.engine.sequence import SamplingParams, Sequence, Status
+
+
+def test_pool_allocate_free_and_share():
+    pool = PagePool(4, 16)
+    a = pool.allocate(3)
+    assert sorted(a) == [0, 1, 2] and pool.num_free == 1
+    with pytest.raises(OutOfPages):
+        pool.allocate(2)
+    pool.share(a[0])
+    pool.free(a)
+    assert pool.num_used == 1 and pool.refcount(a[0]) == 1  # still shared once
+    pool.free([a[0]])
+    assert pool.num_used == 0
+    with pytest.raises(ValueError):
+        pool.free([a[0]])
+
+
+def test_grow_takes_pages_as_tokens_arrive():
+    pool = PagePool(8, 4)
+    pages: list[int] = []
+    assert pool.grow(pages, 1) and len(pages) == 1
+    assert pool.grow(pages, 4) and len(pages) == 1  # still fits the first page
+    assert pool.grow(pages, 5) and len(pages) == 2
+    assert not pool.grow(pages, 100) and len(pages) == 2  # no partial allocation
+    pool.release(pages)
+    assert pages == [] and pool.num_used == 0
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.pool = PagePool(12, 4)
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_prefill_seqs=2, max_prefill_chunk=8,
+                                               max_prefill_tokens=16, watermark_pages=1), self.pool)
+        self.seqs: list[Sequence] = []
+        self.n = 0
+
+    @rule(prompt_len=st.integers(1, 20), max_tokens=st.integers(1, 12))
+    def add(self, prompt_len, max_tokens):
+        self.n += 1
+        seq = Sequence(f"r{self.n}", list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens),
+                       arrival=float(self.n))
+        self.seqs.append(seq)
+        self.sched.add(seq)
+
+    @rule()
+    def step(self):
+        """Schedule, then do what the engine does with the result (minus the device)."""
+        batch = self.sched.schedule()
+        if batch is None:
+            return
+        for it in batch.items:
+            seq = it.seq
+            assert seq.status is Status.RUNNING
+            assert len(seq.pages) * self.pool.page_size >= it.start + it.length
+            seq.num_computed = it.start + it.length
+            if it.samples:
+                seq.output_ids.append(7)
+                if len(seq.output_ids) >= seq.params.max_tokens:
+                    self.sched.finish(seq, "length")
+
+    @precondition(lambda self: any(not s.is_finished for s in self.seqs))
+    @rule(data=st.data())
+    def abort(self, data):
+        live = [s for s in self.seqs if not s.is_finished]
+        self.sched.finish(data.draw(st.sampled_from(live)), "abort")
+
+    @invariant()
+    def pages_owned_once_and_none_leaked(self):
+        owned = [p for s in self.seqs for p in s.pages]
+        assert len(owned) == len(set(owned))
+        assert len(owned) == self.pool.num_used
+        assert all(self.pool.refcount(p) == 1 for p in owned)
+        for s in self.seqs:
+            if s.status is Status.RUNNING:
+                assert s.num_computed <= len(s.pages) * self.pool.page_size
+            else:
+                assert s.pages == []
+
+    def teardown(self):
+        for _ in range(2000):
+            if not self.sched.has_work:
+                break
+            self.step()
+        assert not self.sched.has_work, "requests did not all complete"
+        assert self.pool.num_used == 0
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_scheduler_bookkeeping = SchedulerMachine.TestCase
