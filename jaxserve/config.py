@@ -217,3 +217,76 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """One model the server loads: its converted directory and the name clients ask for."""
+
+    path: str
+    name: str | None = None  # None: the directory's name
+
+    @property
+    def served_name(self) -> str:
+        return self.name or Path(self.path).resolve().name
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """The HTTP server: where it listens, who may call it, and what it accepts.
+
+    `api_keys` empty means no authentication. `max_body_bytes` bounds a request body
+    (413 past it); `max_n` bounds the `n` parameter (choices per request).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 2**20
+    max_n: int = 8
+    models: tuple[ModelSpec, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        object.__setattr__(self, "models", tuple(m if isinstance(m, ModelSpec) else ModelSpec(**m)
+                                                 for m in self.models))
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_n < 1:
+            raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
+        if any(not k for k in self.api_keys):
+            raise ConfigError("api_keys must not contain an empty key")
+        names = [m.served_name for m in self.models]
+        if len(names) != len(set(names)):
+            raise ConfigError(f"two models share a served name: {names}")
+
+
+def _build(cls, table: dict[str, Any], where: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    try:
+        return cls(**table)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_config_file(path: str | Path) -> tuple[ServerConfig, EngineConfig]:
+    """Read a TOML preset with optional `[server]` and `[engine]` tables and `[[server.models]]` entries."""
+    import tomllib
+
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML ({e})") from None
+    unknown = sorted(set(data) - {"server", "engine"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown table(s) {', '.join(unknown)} (known: server, engine)")
+    return (_build(ServerConfig, data.get("server", {}), f"{path} [server]"),
+            _build(EngineConfig, data.get("engine", {}), f"{path} [engine]"))

@@ -88,19 +88,7 @@ class Engine:
         if request_id in self._seqs:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise InvalidRequest("the prompt is empty")
-        vocab = self.model_cfg.vocab_size
-        if any(not (0 <= t < vocab) for t in ids):
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
-        limit = self.config.max_model_len
-        if len(ids) + params.max_tokens > limit:
-            raise InvalidRequest(f"this model's maximum context length is {limit} tokens; the prompt has "
-                                 f"{len(ids)} tokens and max_tokens is {params.max_tokens}")
-        capacity = self.pool.num_pages * self.pool.page_size
-        if len(ids) + params.max_tokens > capacity:
-            raise InvalidRequest(f"the KV cache holds {capacity} tokens; the prompt has {len(ids)} tokens and "
-                                 f"max_tokens is {params.max_tokens}")
+        self.check_request(ids, params.max_tokens)
         seq = Sequence(request_id, ids, params, priority=priority)
         seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq.seed &= 0xFFFFFFFF
@@ -108,6 +96,31 @@ class Engine:
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + output) one request may hold: the context length or the whole pool."""
+        return min(self.config.max_model_len, self.pool.num_pages * self.pool.page_size)
+
+    def check_request(self, ids: list[int], max_tokens: int) -> None:
+        """Raise InvalidRequest unless a prompt of `ids` with `max_tokens` can ever be served.
+
+        Reads only fixed configuration, so the HTTP layer may call it from its own thread
+        before it starts a stream.
+        """
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.model_cfg.vocab_size
+        if any(not (0 <= t < vocab) for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        limit = self.config.max_model_len
+        if len(ids) + max_tokens > limit:
+            raise InvalidRequest(f"this model's maximum context length is {limit} tokens; the prompt has "
+                                 f"{len(ids)} tokens and max_tokens is {max_tokens}")
+        capacity = self.pool.num_pages * self.pool.page_size
+        if len(ids) + max_tokens > capacity:
+            raise InvalidRequest(f"the KV cache holds {capacity} tokens; the prompt has {len(ids)} tokens and "
+                                 f"max_tokens is {max_tokens}")
 
     def abort(self, request_id: str) -> TokenEvent | None:
         seq = self._seqs.pop(request_id, None)
