@@ -1,0 +1,362 @@
+"""The HTTP server: OpenAI-compatible routes over the engines of a ModelRegistry.
+
+A generation request goes:
+
+    read the body (413 past the limit) -> parse and validate (protocol.py, 400s)
+    -> pick the model (404 / 503) -> render the chat template and tokenize
+    -> check each prompt fits (400 naming both numbers) -> one engine request per
+       choice (n per prompt) -> stream SSE chunks, or collect them into one response.
+
+Token events cross from the engine thread through `AsyncEngine` (call_soon_threadsafe
+into an asyncio queue), so the event loop never blocks on the device. A client that
+goes away cancels the response task; the engine-side iterators' `finally` blocks then
+post aborts, which the engine applies before its next step, freeing the pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import importlib.metadata
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from jaxserve.config import ServerConfig
+from jaxserve.engine.engine import AsyncEngine
+from jaxserve.engine.sequence import InvalidRequest, SamplingParams, TokenEvent
+from jaxserve.serving import protocol as P
+from jaxserve.serving.protocol import APIError
+from jaxserve.serving.registry import ModelRegistry, ServedModel
+from jaxserve.tokenizer import ChatTemplateError
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health", "/version")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("jaxserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def error_response(e: APIError, request_id: str | None = None) -> JSONResponse:
+    headers = dict(e.headers)
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+# One engine request per choice --------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    index: int  # OpenAI choice index: prompt_index * n + j
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclasses.dataclass
+class ChoiceResult:
+    text: str = ""
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[dict] = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+
+async def run_choices(runner: AsyncEngine, choices: list[Choice], rid: str
+                      ) -> AsyncIterator[tuple[int, TokenEvent | Exception]]:
+    """Merge the event streams of every choice: yields (choice index, event or exception).
+
+    Each choice runs in its own task; closing this iterator early (client gone) cancels
+    them, and each task's engine iterator aborts its request on the way out.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice):
+        try:
+            async for ev in runner.generate(c.prompt_ids, c.params, request_id=f"{rid}-{c.index}"):
+                queue.put_nowait((c.index, ev))
+        except Exception as e:  # an invalid request or an engine error ends this choice only
+            queue.put_nowait((c.index, e))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    live = len(tasks)
+    try:
+        while live:
+            index, item = await queue.get()
+            if isinstance(item, Exception) or item.finished:
+                live -= 1
+            yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _error_of(item: TokenEvent | Exception) -> APIError | None:
+    if isinstance(item, InvalidRequest):
+        return P.bad(str(item))
+    if isinstance(item, Exception):
+        return APIError(500, f"{type(item).__name__}: {item}")
+    if item.error or item.finish_reason == "error":
+        return APIError(500, item.error or "the engine failed this request")
+    return None
+
+
+# Preparing a request -------------------------------------------------------------------
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body has {declared} bytes; the limit is {limit}",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def plan_choices(served: ServedModel, req: P.GenerationRequest) -> tuple[list[Choice], list[int]]:
+    """Tokenize the prompts, resolve max_tokens, check each prompt fits: (choices, prompt lengths)."""
+    engine, tok = served.engine, served.engine.tokenizer
+    if req.chat:
+        try:
+            prompts = [tok.encode_chat(req.messages)]
+        except ChatTemplateError as e:
+            raise P.bad(str(e), param="messages", code="invalid_messages") from None
+    else:
+        prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
+    param = "messages" if req.chat else "prompt"
+    limit = engine.max_request_tokens
+    choices = []
+    for pi, ids in enumerate(prompts):
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = limit - len(ids)
+            if max_tokens < 1:
+                raise P.bad(f"this model's maximum context length is {limit} tokens and the prompt has "
+                            f"{len(ids)} tokens, which leaves no room to generate", param=param,
+                            code="context_length_exceeded")
+        try:
+            engine.check_request(ids, max_tokens)
+            params = [req.sampling_params(max_tokens, j) for j in range(req.n)]
+        except InvalidRequest as e:
+            code = "context_length_exceeded" if "context length" in str(e) or "KV cache" in str(e) else None
+            raise P.bad(str(e), param=param, code=code) from None
+        choices.extend(Choice(pi * req.n + j, pi, ids, params[j]) for j in range(req.n))
+    return choices, [len(ids) for ids in prompts]
+
+
+# Responses -----------------------------------------------------------------------------
+
+class Responder:
+    """Writes one request's response, chat or completion, streamed or whole."""
+
+    def __init__(self, served: ServedModel, req: P.GenerationRequest, rid: str, prompt_lens: list[int]):
+        self.served, self.req, self.rid = served, req, rid
+        self.prompt_tokens = sum(prompt_lens)
+        tok = served.engine.tokenizer
+        self.fmt = P.LogprobFormatter(lambda i: tok.decode([i], skip_special_tokens=False))
+        self.created = int(time.time())
+
+    def _logprobs(self, records: list[dict], offset: int = 0) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+        return self.fmt.chat(records) if self.req.chat else self.fmt.completion(records, offset)
+
+    def _chunk(self, choices: list[dict], use: dict | None = None) -> dict:
+        build = P.chat_chunk if self.req.chat else P.completion_chunk
+        return build(self.rid, self.served.name, self.created, choices, self.req.include_usage, use)
+
+    def _piece(self, index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
+        if self.req.chat:
+            return P.chat_delta(index, {"content": text} if text or finish is None else {}, finish, logprobs)
+        return P.completion_choice(index, text, finish, logprobs)
+
+    async def stream(self, choices: list[Choice]) -> AsyncIterator[dict]:
+        completion_tokens = 0
+        offsets = {c.index: 0 for c in choices}
+        if self.req.chat:
+            for c in choices:
+                yield self._sse(self._chunk([P.chat_delta(c.index, {"role": "assistant", "content": ""})]))
+        async for index, item in run_choices(self.served.runner, choices, self.rid):
+            err = _error_of(item)
+            if err is not None:
+                yield self._sse(err.body())
+                continue
+            ev: TokenEvent = item
+            completion_tokens += len(ev.token_ids)
+            lps = self._logprobs(ev.logprobs or [], offsets[index]) if ev.logprobs else None
+            offsets[index] += len(ev.text)
+            if ev.text or lps:
+                yield self._sse(self._chunk([self._piece(index, ev.text, None, lps)]))
+            if ev.finished:
+                yield self._sse(self._chunk([self._piece(index, "", ev.finish_reason, None)]))
+        if self.req.include_usage:
+            yield self._sse(self._chunk([], P.usage(self.prompt_tokens, completion_tokens)))
+        yield {"data": "[DONE]"}
+
+    @staticmethod
+    def _sse(obj: dict) -> dict:
+        return {"data": json.dumps(obj, ensure_ascii=False)}
+
+    async def whole(self, choices: list[Choice]) -> dict:
+        results = {c.index: ChoiceResult() for c in choices}
+        async for index, item in run_choices(self.served.runner, choices, self.rid):
+            err = _error_of(item)
+            if err is not None:
+                raise err
+            r = results[index]
+            r.text += item.text
+            r.completion_tokens += len(item.token_ids)
+            r.logprobs.extend(item.logprobs or [])
+            if item.finished:
+                r.finish_reason = item.finish_reason
+        use = P.usage(self.prompt_tokens, sum(r.completion_tokens for r in results.values()))
+        if self.req.chat:
+            out = [P.chat_choice(i, r.text, r.finish_reason, self._logprobs(r.logprobs)) for i, r in results.items()]
+            return P.chat_response(self.rid, self.served.name, out, use)
+        out = [P.completion_choice(i, r.text, r.finish_reason, self._logprobs(r.logprobs))
+               for i, r in results.items()]
+        return P.completion_response(self.rid, self.served.name, out, use)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# The application ----------------------------------------------------------------------
+
+def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bool = True) -> Starlette:
+    keys = [k.encode() for k in cfg.api_keys]
+
+    def authorized(request: Request) -> bool:
+        if not keys or request.url.path in OPEN_PATHS:
+            return True
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        token = token.strip().encode()
+        ok = False
+        for k in keys:  # compare against every key, in constant time each
+            ok |= hmac.compare_digest(token, k)
+        return ok and scheme.lower() == "bearer"
+
+    def api(handler):
+        """Authentication, a request id, and APIError -> an OpenAI-shaped JSON error."""
+
+        async def wrapped(request: Request):
+            rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+            if not authorized(request):
+                return error_response(APIError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
+                                               code="invalid_api_key"), rid)
+            try:
+                response = await handler(request, rid)
+            except APIError as e:
+                return error_response(e, rid)
+            except Exception as e:  # noqa: BLE001 - one failing request answers 500, the server keeps serving
+                log.exception("request %s failed", rid)
+                return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"), rid)
+            response.headers["X-Request-Id"] = rid
+            return response
+
+        return wrapped
+
+    async def health(request: Request, rid: str):
+        ok, status = registry.health()
+        return JSONResponse({"status": "ok" if ok else "unavailable", "models": status},
+                            status_code=200 if ok else 503)
+
+    async def version(request: Request, rid: str):
+        return JSONResponse({"version": _version()})
+
+    async def models(request: Request, rid: str):
+        data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "jaxserve",
+                 "max_model_len": m.engine.max_request_tokens if m.engine else None}
+                for m in registry.models.values()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def stats(request: Request, rid: str):
+        return JSONResponse({"models": {name: m.stats() for name, m in registry.models.items()}})
+
+    async def generation(request: Request, rid: str, chat: bool):
+        body = P.parse_json(await read_body(request, cfg.max_body_bytes))
+        req = P.parse_generation(body, chat=chat, max_n=cfg.max_n)
+        served = registry.get(req.model)
+        choices, prompt_lens = plan_choices(served, req)
+        responder = Responder(served, req, rid, prompt_lens)
+        if req.stream:
+            return EventSourceResponse(responder.stream(choices), ping=15)
+        work = asyncio.ensure_future(responder.whole(choices))
+        gone = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():  # the client left: cancelling aborts its engine requests
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                log.info("request %s: client disconnected, aborted", rid)
+        return JSONResponse(work.result())
+
+    async def chat_completions(request: Request, rid: str):
+        return await generation(request, rid, chat=True)
+
+    async def completions(request: Request, rid: str):
+        return await generation(request, rid, chat=False)
+
+    async def http_error(request: Request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       code=code))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if load_on_startup:
+            registry.start_loading()
+        try:
+            yield
+        finally:
+            registry.shutdown()
+
+    routes = [
+        Route("/health", api(health), methods=["GET"]),
+        Route("/version", api(version), methods=["GET"]),
+        Route("/stats", api(stats), methods=["GET"]),
+        Route("/v1/models", api(models), methods=["GET"]),
+        Route("/v1/chat/completions", api(chat_completions), methods=["POST"]),
+        Route("/v1/completions", api(completions), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    app.state.registry = registry
+    return app
+
+
+def serve(cfg: ServerConfig, engine_config, *, log_level: str = "info") -> None:
+    """Start uvicorn on cfg.host:cfg.port; the models load in the background (see /health)."""
+    import uvicorn
+
+    registry = ModelRegistry(cfg.models, engine_config)
+    app = build_app(registry, cfg)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level, timeout_graceful_shutdown=5)

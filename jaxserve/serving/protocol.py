@@ -1,0 +1,310 @@
+"""OpenAI request validation and response shapes, with no server or engine in sight.
+
+A request body becomes a `GenerationRequest` (or an `APIError` naming the bad
+parameter); the app turns it into engine requests and uses the builders at the
+bottom to write responses and stream chunks in OpenAI's exact shapes:
+
+    chat        chat.completion / chat.completion.chunk, delta {"role"} first, then {"content"}
+    completion  text_completion (streamed chunks use the same object name)
+
+Unknown fields are ignored, as OpenAI-compatible servers do; known fields of the
+wrong type or out of range are 400s whose message names the field and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+from jaxserve.engine.sequence import SamplingParams
+
+MAX_STOP_SEQUENCES = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or self.TYPES.get(status, "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+# Typed fields -------------------------------------------------------------------------
+
+_JSON_TYPE = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def _field(body: dict, name: str, kind: type, default: Any = None, *, lo=None, hi=None,
+           lo_open: bool = False) -> Any:
+    """body[name] checked to be of `kind` (JSON null means absent) and inside [lo, hi] / (lo, hi]."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        raise bad(f"'{name}' must be {_JSON_TYPE[kind]}, got {json.dumps(value)[:80]}", param=name,
+                  code="invalid_type")
+    if kind is float:
+        value = float(value)
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        side = f"> {lo}" if lo_open else f">= {lo}"
+        raise bad(f"'{name}' must be {side}{'' if hi is None else f' and <= {hi}'}, got {value}", param=name,
+                  code="invalid_value")
+    if hi is not None and value > hi:
+        raise bad(f"'{name}' must be <= {hi}{'' if lo is None else f' and >= {lo}'}, got {value}", param=name,
+                  code="invalid_value")
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad("'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise bad(f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stop)}", param="stop",
+                  code="invalid_value")
+    if any(s == "" for s in stop):
+        raise bad("'stop' sequences must not be empty strings", param="stop", code="invalid_value")
+    return tuple(stop)
+
+
+def _int_list(value, name: str) -> list[int]:
+    if not value or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise bad(f"'{name}' token lists must be non-empty lists of integers", param=name, code="invalid_type")
+    return list(value)
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise bad("'messages' is required", param="messages", code="missing_required_parameter")
+    if not isinstance(msgs, list):
+        raise bad("'messages' must be a list of messages", param="messages", code="invalid_type")
+    if not msgs:
+        raise bad("'messages' must not be empty", param="messages", code="invalid_value")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"'{where}' must be an object with 'role' and 'content'", param=where, code="invalid_type")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}",
+                      param=f"{where}.role", code="invalid_value")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"'{where}.content[{j}]' must be a text part {{\"type\": \"text\", \"text\": ...}}; "
+                              "this server serves text-only models", param=f"{where}.content", code="invalid_value")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise bad(f"'{where}.content' must be a string or a list of text parts", param=f"{where}.content",
+                      code="invalid_type")
+        msg = {"role": role, "content": content}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _prompts(body: dict) -> list[str | list[int]]:
+    """`prompt` as a string, a list of strings, a list of token ids, or a list of token id lists."""
+    p = body.get("prompt")
+    if p is None:
+        raise bad("'prompt' is required", param="prompt", code="missing_required_parameter")
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p:
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            return [list(p)]
+        if all(isinstance(x, list) for x in p):
+            return [_int_list(x, "prompt") for x in p]
+    raise bad("'prompt' must be a string, a list of strings, a list of token ids or a list of token id lists, "
+              "and not empty", param="prompt", code="invalid_type")
+
+
+# The parsed request --------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    """A validated chat or completion request; `max_tokens` None means "up to the context length"."""
+
+    chat: bool
+    model: str | None
+    messages: list[dict] | None
+    prompts: list[str | list[int]] | None
+    stream: bool
+    include_usage: bool
+    n: int
+    max_tokens: int | None
+    logprobs: int | None  # None: no logprobs; k: the chosen token's plus k alternatives
+    sampling: dict  # SamplingParams keyword arguments other than max_tokens and seed
+    seed: int | None
+    user: str | None
+
+    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+        """Choice i of n draws with seed + i, so n seeded choices differ yet each is reproducible."""
+        seed = None if self.seed is None else (self.seed + choice) & 0xFFFFFFFF
+        return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=self.logprobs, **self.sampling)
+
+
+def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string", param="model", code="invalid_type")
+    messages = _messages(body) if chat else None
+    prompts = None if chat else _prompts(body)
+    stream = _field(body, "stream", bool, False)
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad("'stream_options' must be an object", param="stream_options", code="invalid_type")
+    include_usage = bool(_field(opts or {}, "include_usage", bool, False))
+    max_tokens = _field(body, "max_tokens", int, lo=1)
+    if chat:
+        max_tokens = _field(body, "max_completion_tokens", int, max_tokens, lo=1)
+    n = _field(body, "n", int, 1, lo=1, hi=max_n)
+    top_max = SamplingParams.MAX_LOGPROBS
+    if chat:
+        want = _field(body, "logprobs", bool, False)
+        top = _field(body, "top_logprobs", int, None, lo=0, hi=top_max)
+        if top is not None and not want:
+            raise bad("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs", code="invalid_value")
+        logprobs = (top or 0) if want else None
+    else:
+        logprobs = _field(body, "logprobs", int, None, lo=0, hi=top_max)
+    sampling = dict(
+        temperature=_field(body, "temperature", float, 1.0, lo=0, hi=2),
+        top_p=_field(body, "top_p", float, 1.0, lo=0, hi=1, lo_open=True),
+        top_k=_field(body, "top_k", int, 0, lo=-1),
+        min_p=_field(body, "min_p", float, 0.0, lo=0, hi=1),
+        presence_penalty=_field(body, "presence_penalty", float, 0.0, lo=-2, hi=2),
+        frequency_penalty=_field(body, "frequency_penalty", float, 0.0, lo=-2, hi=2),
+        repetition_penalty=_field(body, "repetition_penalty", float, 1.0, lo=0, lo_open=True),
+        ignore_eos=_field(body, "ignore_eos", bool, False),
+        stop=_stop(body),
+    )
+    seed = _field(body, "seed", int, None)
+    user = body.get("user") if isinstance(body.get("user"), str) else None
+    return GenerationRequest(chat=chat, model=model, messages=messages, prompts=prompts, stream=stream,
+                             include_usage=include_usage, n=n, max_tokens=max_tokens, logprobs=logprobs,
+                             sampling=sampling, seed=seed, user=user)
+
+
+# Responses -------------------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class LogprobFormatter:
+    """Engine logprob records -> OpenAI's chat (`content` list) or completions (parallel lists) shape."""
+
+    def __init__(self, token_text):
+        self.token_text = token_text  # id -> the token's text
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def chat(self, records: list[dict]) -> dict:
+        content = []
+        for r in records:
+            e = self._entry(r["token_id"], r["logprob"])
+            e["top_logprobs"] = [self._entry(t, lp) for t, lp in r["top"]]
+            content.append(e)
+        return {"content": content}
+
+    def completion(self, records: list[dict], text_offset: int = 0) -> dict:
+        tokens, lps, tops, offsets = [], [], [], []
+        for r in records:
+            text = self.token_text(r["token_id"])
+            tokens.append(text)
+            lps.append(r["logprob"])
+            tops.append({self.token_text(t): lp for t, lp in r["top"]} if r["top"] else None)
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": use}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def chat_chunk(rid: str, model: str, created: int, choices: list[dict], include_usage: bool,
+               use: dict | None = None) -> dict:
+    out = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model,
+           "choices": choices}
+    if include_usage:
+        out["usage"] = use
+    return out
+
+
+def chat_delta(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": use}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_chunk(rid: str, model: str, created: int, choices: list[dict], include_usage: bool,
+                     use: dict | None = None) -> dict:
+    out = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
+           "choices": choices}
+    if include_usage:
+        out["usage"] = use
+    return out
