@@ -3,9 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 MODEL := checkpoints/smollm2-135m-instruct
+HOST ?= 127.0.0.1
+PORT ?= 8000
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: serve test install install-test model clean
+.PHONY: serve generate test install install-test model bench-latency bench-throughput clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +28,16 @@ $(MODEL)/params: $(VENV)/.installed
 model: $(MODEL)/params
 
 serve: install model
+	$(VENV)/bin/jaxserve serve --config configs/server.toml --model $(MODEL) --host $(HOST) --port $(PORT)
+
+generate: install model
 	$(VENV)/bin/jaxserve generate --model $(MODEL) --chat "$(PROMPT)"
+
+bench-throughput: install model
+	$(PY) scripts/bench_throughput.py
+
+bench-latency: install model
+	$(PY) scripts/bench_latency.py
 
 test: install-test model
 	$(PY) -m pytest -q

@@ -1,9 +1,11 @@
-"""`jaxserve` command line: convert, generate."""
+"""`jaxserve` command line: serve, convert, generate, chat."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 
 def _cmd_convert(args) -> int:
@@ -19,7 +21,75 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _read_prompts(path: str) -> list[dict]:
+    """One prompt per line: plain text, or a JSON object with "prompt" (or "messages") and options."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    raise SystemExit(f"jaxserve generate: error: {path}:{n}: invalid JSON ({e})")
+                if "prompt" not in obj and "messages" not in obj:
+                    raise SystemExit(f"jaxserve generate: error: {path}:{n}: needs a \"prompt\" or \"messages\"")
+                prompts.append(obj)
+            else:
+                prompts.append({"prompt": line})
+    return prompts
+
+
+def _cmd_generate_batch(args) -> int:
+    """Many prompts through the batch engine; completions as JSON lines, throughput on stderr."""
+    import time
+
+    from jaxserve.engine.engine import LLM
+    from jaxserve.engine.sequence import InvalidRequest, SamplingParams
+
+    entries = _read_prompts(args.prompts_file)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
+    tok = llm.tokenizer
+    prompts, params = [], []
+    try:
+        for i, e in enumerate(entries):
+            if "messages" in e:
+                prompts.append(tok.encode_chat(e["messages"]))
+            elif args.chat:
+                prompts.append(tok.encode_chat([{"role": "user", "content": e["prompt"]}]))
+            else:
+                prompts.append(e["prompt"])
+            params.append(SamplingParams(
+                max_tokens=int(e.get("max_tokens", args.max_tokens)),
+                temperature=float(e.get("temperature", args.temperature)),
+                top_p=float(e.get("top_p", 1.0)), top_k=int(e.get("top_k", 0)),
+                seed=e.get("seed", args.seed + i), stop=tuple(e.get("stop", ()))))
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+    except InvalidRequest as e:
+        print(f"jaxserve generate: error: {e}", file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - t0
+    for e, o in zip(entries, outs):
+        print(json.dumps({"prompt": e.get("prompt", e.get("messages")), "text": o.text,
+                          "finish_reason": o.finish_reason, "completion_tokens": len(o.token_ids)},
+                         ensure_ascii=False))
+    n_out = sum(len(o.token_ids) for o in outs)
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    print(f"{len(outs)} requests, {n_in} prompt + {n_out} generated tokens in {elapsed:.2f}s: "
+          f"{n_out / elapsed:.1f} generated tok/s, {(n_in + n_out) / elapsed:.1f} total tok/s "
+          f"(compile {llm.engine.compile_seconds:.1f}s before)", file=sys.stderr)
+    return 0
+
+
 def _cmd_generate(args) -> int:
+    if args.prompts_file:
+        return _cmd_generate_batch(args)
+    if args.prompt is None:
+        print("jaxserve generate: error: give a PROMPT or --prompts-file", file=sys.stderr)
+        return 2
     from jaxserve.checkpoint.load import load_model
     from jaxserve.reference import ReferenceGenerator
     from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -42,6 +112,56 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    import dataclasses
+    import logging
+
+    from jaxserve.config import ConfigError, EngineConfig, ModelSpec, ServerConfig, load_config_file
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server, engine = load_config_file(args.config) if args.config else (ServerConfig(), EngineConfig())
+        names = args.served_model_name or []
+        if len(names) > len(args.model or []):
+            raise ConfigError("more --served-model-name than --model")
+        specs = tuple(ModelSpec(path=p, name=names[i] if i < len(names) else None)
+                      for i, p in enumerate(args.model or []))
+        over = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        if specs:
+            over["models"] = specs
+        if args.api_key:
+            over["api_keys"] = tuple(args.api_key)
+        server = dataclasses.replace(server, **over)
+        eng = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len),
+                                 ("kv_cache_memory_gib", args.kv_cache_memory)) if v is not None}
+        if "max_num_seqs" in eng and "decode_batch_buckets" not in eng:
+            eng["decode_batch_buckets"] = tuple(b for b in engine.decode_batch_buckets if b < eng["max_num_seqs"]) + (
+                eng["max_num_seqs"],)
+        if "max_model_len" in eng:
+            eng["context_buckets"] = tuple(c for c in engine.context_buckets if c < eng["max_model_len"]) + (
+                eng["max_model_len"],)
+        engine = dataclasses.replace(engine, **eng)
+        if not server.models:
+            raise ConfigError("no model to serve: give --model DIR or [[server.models]] in --config")
+        for m in server.models:
+            if not (Path(m.path) / "config.json").is_file():
+                raise ConfigError(f"{m.path}: not a converted model directory (no config.json); "
+                                  "see `jaxserve convert`")
+    except ConfigError as e:
+        print(f"jaxserve serve: error: {e}", file=sys.stderr)
+        return 2
+    from jaxserve.serving.app import serve
+
+    serve(server, engine)
+    return 0
+
+
+def _cmd_chat(args) -> int:
+    from jaxserve.chat_client import chat_loop
+
+    return chat_loop(args.url, args.model, args.api_key, args.system, args.max_tokens, args.temperature)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM inference server")
     sub = p.add_subparsers(dest="command", required=True)
@@ -53,14 +173,39 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_cmd_convert)
 
-    g = sub.add_parser("generate", help="generate a completion for one prompt and print it")
-    g.add_argument("prompt")
+    g = sub.add_parser("generate", help="generate a completion for one prompt (or a file of prompts)")
+    g.add_argument("prompt", nargs="?")
+    g.add_argument("--prompts-file", help="one prompt per line: text, or JSON with prompt|messages and options; "
+                                          "runs them all through the batch engine and reports throughput")
+    g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--model", required=True, help="converted model directory")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chat", action="store_true", help="apply the chat template to PROMPT as one user message")
     g.set_defaults(func=_cmd_generate)
+
+    s = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
+    s.add_argument("--model", action="append", metavar="DIR", help="converted model directory (repeatable)")
+    s.add_argument("--served-model-name", action="append", metavar="NAME",
+                   help="name clients use for the matching --model (default: the directory's name)")
+    s.add_argument("--host", help="default 127.0.0.1")
+    s.add_argument("--port", type=int, help="default 8000")
+    s.add_argument("--api-key", action="append", metavar="KEY", help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--config", metavar="FILE", help="TOML preset with [server] and [engine] tables (configs/)")
+    s.add_argument("--max-num-seqs", type=int, help="most sequences decoding at once")
+    s.add_argument("--max-model-len", type=int, help="most tokens (prompt + output) of one request")
+    s.add_argument("--kv-cache-memory", type=float, metavar="GIB", help="KV cache budget in GiB")
+    s.set_defaults(func=_cmd_serve)
+
+    h = sub.add_parser("chat", help="chat in the terminal with a running server (streams the answers)")
+    h.add_argument("--url", default="http://127.0.0.1:8000")
+    h.add_argument("--model", help="default: the server's first model")
+    h.add_argument("--api-key")
+    h.add_argument("--system", help="a system message to start the conversation with")
+    h.add_argument("--max-tokens", type=int, default=512)
+    h.add_argument("--temperature", type=float, default=0.7)
+    h.set_defaults(func=_cmd_chat)
     return p
 
 
