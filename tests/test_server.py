@@ -1,0 +1,377 @@
+"""A real `jaxserve serve` process on the default model, driven over loopback by the official
+`openai` client, raw httpx and curl-like SSE reading.
+
+Expected values are the server's own answers under other conditions: a greedy answer
+streamed must equal the same answer whole; an answer among 32 concurrent streams must
+equal that prompt's answer sent alone; a stop string must cut the free-running text
+exactly where the string first appears; token counts must equal what the tokenizer
+says the prompt is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from jaxserve.tokenizer import Tokenizer
+from server_proc import ServerProcess
+
+CONFIG = """
+[server]
+max_n = 4
+[engine]
+max_num_seqs = 32
+decode_batch_buckets = [1, 8, 32]
+context_buckets = [512]
+max_model_len = 512
+prefill_length_buckets = [32, 128]
+prefill_batch_buckets = [1, 4]
+compilation_cache_dir = "{cache}"
+"""
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+    """One persistent compilation cache for this module's servers: the second starts warm."""
+    return tmp_path_factory.mktemp("xla")
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir, tmp_path_factory, xla_cache):
+    work = tmp_path_factory.mktemp("server")
+    srv = ServerProcess(default_model_dir, work, CONFIG.format(cache=xla_cache))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_dir):
+    return Tokenizer(default_model_dir)
+
+
+def chat(client, model, messages, **kw):
+    return client.chat.completions.create(model=model, messages=messages, **kw)
+
+
+def stream_text(stream) -> tuple[str, list]:
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def test_health_was_503_while_loading_then_200(server):
+    assert server.health_seen[-1] == 200
+    assert 503 in server.health_seen  # the port answered before the model was compiled
+    assert httpx.get(f"{server.url}/version").json()["version"] == "0.1.0"
+
+
+def test_models_lists_the_default_model(client, model):
+    assert model == "smollm2-135m-instruct"
+    assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_chat_whole_and_streamed_agree(client, model, tok):
+    whole = chat(client, model, QUESTION, max_tokens=24, temperature=0)
+    text = whole.choices[0].message.content
+    assert "Paris" in text
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(tok.encode_chat(QUESTION))
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    streamed, chunks = stream_text(chat(client, model, QUESTION, max_tokens=24, temperature=0, stream=True))
+    assert streamed == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert all(c.usage is None for c in chunks)
+
+
+def test_chat_content_parts_and_max_completion_tokens(client, model):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                          {"type": "text", "text": "of France?"}]}]
+    a = chat(client, model, parts, max_completion_tokens=5, temperature=0)
+    b = chat(client, model, QUESTION, max_tokens=5, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.completion_tokens == 5 and a.choices[0].finish_reason == "length"
+
+
+def test_include_usage_on_a_final_chunk(client, model):
+    _, chunks = stream_text(chat(client, model, QUESTION, max_tokens=6, temperature=0, stream=True,
+                                 stream_options={"include_usage": True}))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_whole_streamed_and_batched(client, model, tok):
+    prompt = "The three primary colors are"
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+    assert whole.object == "text_completion"
+    assert whole.usage.prompt_tokens == len(tok.encode(prompt))
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == whole.choices[0].text
+    ids = tok.encode(prompt)
+    both = client.completions.create(model=model, prompt=[prompt, "One plus one is"], max_tokens=16, temperature=0)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert both.choices[0].text == whole.choices[0].text
+    as_ids = client.completions.create(model=model, prompt=ids, max_tokens=16, temperature=0)
+    assert as_ids.choices[0].text == whole.choices[0].text
+
+
+def test_stop_strings_cut_where_the_string_first_appears(client, model):
+    free = chat(client, model, QUESTION, max_tokens=24, temperature=0).choices[0].message.content
+    word = "Paris"
+    cut = chat(client, model, QUESTION, max_tokens=24, temperature=0, stop=[word, "zebra"])
+    assert cut.choices[0].message.content == free[:free.index(word)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed, _ = stream_text(chat(client, model, QUESTION, max_tokens=24, temperature=0, stop=word, stream=True))
+    assert streamed == free[:free.index(word)]
+
+
+def test_n_2_seeded_samples(client, model):
+    kw = dict(max_tokens=12, temperature=1.0, seed=7, n=2, extra_body={"ignore_eos": True})
+    whole = chat(client, model, QUESTION, **kw)
+    assert [c.index for c in whole.choices] == [0, 1]
+    texts = [c.message.content for c in whole.choices]
+    assert texts[0] != texts[1]  # seed and seed + 1
+    again = chat(client, model, QUESTION, **kw)
+    assert [c.message.content for c in again.choices] == texts  # seeded: reproducible
+    streamed = {0: "", 1: ""}
+    for c in chat(client, model, QUESTION, stream=True, **kw):
+        for ch in c.choices:
+            streamed[ch.index] += ch.delta.content or ""
+    assert [streamed[0], streamed[1]] == texts
+    assert whole.usage.completion_tokens == 24
+
+
+def test_logprobs_chat_and_completions(client, model):
+    r = chat(client, model, QUESTION, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].token == e.token  # greedy picks the most likely token
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    c = client.completions.create(model=model, prompt="Water boils at", max_tokens=5, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+
+def test_32_concurrent_streams_equal_their_answers_alone(client, model, server):
+    topics = ["rivers", "bread", "stars", "music", "cats", "glass", "trains", "rain", "chess", "tea", "maps",
+              "bees", "ice", "paper", "wind", "salt", "bridges", "clocks", "snow", "honey", "ships", "moss",
+              "caves", "kites", "owls", "wool", "sand", "bells", "ink", "wolves", "lamps", "figs"]
+    prompts = [[{"role": "user", "content": f"Tell me one fact about {t}."}] for t in topics]
+    alone = [chat(client, model, p, max_tokens=12, temperature=0).choices[0].message.content for p in prompts]
+
+    async def one(aclient, p):
+        stream = await aclient.chat.completions.create(model=model, messages=p, max_tokens=12, temperature=0,
+                                                       stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300) as ac:
+            return await asyncio.gather(*(one(ac, p) for p in prompts))
+
+    together = asyncio.run(all_at_once())
+    assert together == alone
+    assert len(set(alone)) > 16
+
+
+def _wait_idle(server, pages_before: int, within: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within:
+        s = server.stats()
+        if s["running"] == 0 and s["waiting"] == 0 and s["pages_used"] == pages_before:
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    raise AssertionError(f"engine still busy {within}s after the client left: {server.stats()}")
+
+
+def test_disconnect_mid_stream_frees_the_engine(server, model):
+    before = server.stats()["pages_used"]
+    body = {"model": model, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            # Hold the line iterator: leaving a `for` over it would close the connection early.
+            lines = r.iter_lines()
+            got = 0
+            while got < 4:
+                got += next(lines).startswith("data:")
+            assert server.stats()["running"] == 1
+    # the connection is closed here, the stream not finished
+    _wait_idle(server, before, within=1.0)
+
+
+def test_disconnect_while_waiting_for_a_whole_answer(server, model):
+    before = server.stats()["pages_used"]
+    body = {"model": model, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(5, read=1.0))
+    _wait_idle(server, before, within=1.0)
+
+
+BAD = [
+    # (id, path, body or raw bytes, status, param)
+    ("invalid-json", "/v1/chat/completions", b"{not json", 400, None),
+    ("not-an-object", "/v1/chat/completions", b"[1, 2]", 400, None),
+    ("no-messages", "/v1/chat/completions", {}, 400, "messages"),
+    ("empty-messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("messages-not-list", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("bad-role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages[0].role"),
+    ("content-number", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "messages[0].content"),
+    ("image-part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[0].content"),
+    ("temperature-negative", "/v1/chat/completions", {"messages": QUESTION, "temperature": -0.5}, 400, "temperature"),
+    ("temperature-string", "/v1/chat/completions", {"messages": QUESTION, "temperature": "hot"}, 400, "temperature"),
+    ("top-p-zero", "/v1/chat/completions", {"messages": QUESTION, "top_p": 0}, 400, "top_p"),
+    ("top-p-above-one", "/v1/chat/completions", {"messages": QUESTION, "top_p": 1.5}, 400, "top_p"),
+    ("max-tokens-zero", "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
+    ("max-tokens-float", "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2.5}, 400, "max_tokens"),
+    ("max-tokens-bool", "/v1/chat/completions", {"messages": QUESTION, "max_tokens": True}, 400, "max_tokens"),
+    ("n-above-max", "/v1/chat/completions", {"messages": QUESTION, "n": 5}, 400, "n"),
+    ("n-zero", "/v1/chat/completions", {"messages": QUESTION, "n": 0}, 400, "n"),
+    ("stream-not-bool", "/v1/chat/completions", {"messages": QUESTION, "stream": "yes"}, 400, "stream"),
+    ("stop-number", "/v1/chat/completions", {"messages": QUESTION, "stop": 3}, 400, "stop"),
+    ("stop-empty-string", "/v1/chat/completions", {"messages": QUESTION, "stop": [""]}, 400, "stop"),
+    ("top-logprobs-alone", "/v1/chat/completions", {"messages": QUESTION, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("top-logprobs-too-many", "/v1/chat/completions",
+     {"messages": QUESTION, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    ("presence-penalty-range", "/v1/chat/completions", {"messages": QUESTION, "presence_penalty": 3}, 400,
+     "presence_penalty"),
+    ("too-long-for-context", "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 600}, 400, "messages"),
+    ("prompt-missing", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("prompt-empty-list", "/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("prompt-mixed-list", "/v1/completions", {"prompt": ["a", 1]}, 400, "prompt"),
+    ("prompt-ids-out-of-vocab", "/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt"),
+    ("prompt-empty-string", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("completion-logprobs-bool", "/v1/completions", {"prompt": "a", "logprobs": True}, 400, "logprobs"),
+    ("prompt-too-long", "/v1/completions", {"prompt": "word " * 600, "max_tokens": 4}, 400, "prompt"),
+    ("unknown-model", "/v1/chat/completions", {"model": "gpt-9", "messages": QUESTION}, 404, "model"),
+    ("unknown-route", "/v1/embeddings", {"input": "x"}, 404, None),
+    ("wrong-method", "/v1/models", {}, 405, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors(server, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    if path == "/v1/models":
+        r = httpx.post(f"{server.url}{path}", content=content)
+    else:
+        r = httpx.post(f"{server.url}{path}", content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["param"] == param
+
+
+def test_too_long_message_names_both_numbers(server, tok):
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 600})
+    msg = r.json()["error"]["message"]
+    n = len(tok.encode_chat(QUESTION))
+    assert f"512 tokens" in msg and f"{n} tokens" in msg and "max_tokens is 600" in msg
+
+
+def test_still_correct_after_the_bad_requests(client, model):
+    """Runs after the table: the same greedy answer as at the start, and nothing left in the engine."""
+    text = chat(client, model, QUESTION, max_tokens=24, temperature=0).choices[0].message.content
+    assert "Paris" in text
+
+
+def test_terminal_chat_client_keeps_the_conversation(server, client, model):
+    import subprocess
+    import sys
+
+    turns = ["What is the capital of France?", "And of Italy?"]
+    out = subprocess.run([sys.executable, "-m", "jaxserve", "chat", "--url", server.url, "--temperature", "0",
+                          "--max-tokens", "16"], input="\n".join(turns) + "\n", capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    first = chat(client, model, [{"role": "user", "content": turns[0]}], max_tokens=16, temperature=0)
+    a1 = first.choices[0].message.content
+    convo = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": a1},
+             {"role": "user", "content": turns[1]}]
+    a2 = chat(client, model, convo, max_tokens=16, temperature=0).choices[0].message.content
+    assert out == f"{a1}\n{a2}\n"
+
+
+# --- A second server: two served names, API keys, a small body limit ---------------------
+
+GUARDED = CONFIG.replace("max_n = 4", "max_n = 4\napi_keys = [\"key-one\", \"key-two\"]\nmax_body_bytes = 4096")
+
+
+@pytest.fixture(scope="module")
+def guarded(default_model_dir, tmp_path_factory, xla_cache, server):
+    # `server` first: it fills the compilation cache, so these two engines load warm.
+    work = tmp_path_factory.mktemp("guarded")
+    srv = ServerProcess(default_model_dir, work, GUARDED.format(cache=xla_cache),
+                        extra_args=("--model", str(default_model_dir), "--served-model-name", "alpha",
+                                    "--served-model-name", "beta"))
+    yield srv
+    srv.stop()
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer nope"}, {"Authorization": "key-one"},
+                                     {"Authorization": "Bearer key-one2"}],
+                         ids=["missing", "wrong", "no-bearer", "longer"])
+def test_api_key_required_everywhere_but_health(guarded, headers):
+    assert httpx.get(f"{guarded.url}/health").status_code == 200
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")):
+        r = httpx.request(method, f"{guarded.url}{path}", headers=headers, json={"messages": QUESTION})
+        assert _error(r, 401)["type"] == "authentication_error"
+
+
+def test_two_served_names_each_with_its_own_engine(guarded):
+    auth = {"Authorization": "Bearer key-two"}
+    models = httpx.get(f"{guarded.url}/v1/models", headers=auth).json()
+    assert [m["id"] for m in models["data"]] == ["alpha", "beta"]
+    stats = httpx.get(f"{guarded.url}/stats", headers=auth).json()["models"]
+    assert set(stats) == {"alpha", "beta"} and all(m["ready"] for m in stats.values())
+    answers = []
+    for name in ("alpha", "beta"):
+        body = {"model": name, "messages": QUESTION, "max_tokens": 12, "temperature": 0}
+        r = httpx.post(f"{guarded.url}/v1/chat/completions", headers=auth, json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == name
+        answers.append(r.json()["choices"][0]["message"]["content"])
+    assert answers[0] == answers[1] and "Paris" in answers[0]
+
+
+def test_body_over_the_limit_is_413(guarded):
+    auth = {"Authorization": "Bearer key-one"}
+    big = {"model": "alpha", "messages": [{"role": "user", "content": "x" * 5000}]}
+    assert _error(httpx.post(f"{guarded.url}/v1/chat/completions", headers=auth, json=big), 413)["param"] is None
+    # a chunked body (no Content-Length) is counted as it arrives
+    chunks = (b'{"messages": [{"role": "user", "content": "' + b"y" * 1000 for _ in range(6))
+    r = httpx.post(f"{guarded.url}/v1/chat/completions", headers=auth, content=chunks)
+    _error(r, 413)
