@@ -13,7 +13,8 @@ def arrays(B, V, H=4, **over):
                 min_p=np.zeros(B, np.float32), presence_penalty=np.zeros(B, np.float32),
                 frequency_penalty=np.zeros(B, np.float32), repetition_penalty=np.ones(B, np.float32),
                 seeds=np.arange(B, dtype=np.uint32), counters=np.zeros(B, np.int32),
-                history=np.full((B, H), -1, np.int32), prompt_lens=np.zeros(B, np.int32))
+                history=np.full((B, H), -1, np.int32), prompt_lens=np.zeros(B, np.int32),
+                logprobs=np.ones(B, np.bool_))
     for k, v in over.items():
         base[k] = np.asarray(v, dtype=base[k].dtype)
     return SamplingArrays(**base)

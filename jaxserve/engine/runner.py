@@ -140,7 +140,7 @@ class ModelRunner:
             temperature=sds((B,), f32), top_k=sds((B,), i32), top_p=sds((B,), f32), min_p=sds((B,), f32),
             presence_penalty=sds((B,), f32), frequency_penalty=sds((B,), f32), repetition_penalty=sds((B,), f32),
             seeds=sds((B,), jnp.uint32), counters=sds((B,), i32), history=sds((B, P * self.page_size), i32),
-            prompt_lens=sds((B,), i32))
+            prompt_lens=sds((B,), i32), logprobs=sds((B,), jnp.bool_))
         params = jax.tree.map(lambda a: sds(a.shape, a.dtype), self.params)
         kv = jax.tree.map(lambda a: sds(a.shape, a.dtype), self.kv_cache)
         return params, kv, inp, samp
@@ -195,6 +195,7 @@ class ModelRunner:
         pres, freq, rep = np.zeros(B, f32), np.zeros(B, f32), np.ones(B, f32)
         top_k, counters, prompt_lens = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
         seeds = np.zeros(B, np.uint32)
+        want_logprobs = np.zeros(B, np.bool_)
         history = np.full((B, P * ps), -1, np.int32)
         for i, it in enumerate(items):
             seq, s, n = it.seq, it.start, it.length
@@ -211,10 +212,11 @@ class ModelRunner:
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
             pres[i], freq[i], rep[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             seeds[i], counters[i], prompt_lens[i] = seq.seed, len(seq.output_ids), len(seq.prompt_ids)
+            want_logprobs[i] = p.logprobs is not None
             history[i, :len(all_tokens)] = all_tokens
         inp = StepInputs(tokens=tokens, positions=positions, slot_mapping=slots, block_tables=tables,
                          context_lens=ctx, last_index=last)
         samp = SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=pres,
                               frequency_penalty=freq, repetition_penalty=rep, seeds=seeds, counters=counters,
-                              history=history, prompt_lens=prompt_lens)
+                              history=history, prompt_lens=prompt_lens, logprobs=want_logprobs)
         return inp, samp
