@@ -79,6 +79,30 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
     return out.reshape(B, T, Hq, D)
 
 
+def attend_one(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+               context_lens: jax.Array, sliding_window: int | None) -> jax.Array:
+    """`attend` for one query token per sequence (decode), as multiply-and-reduce.
+
+    Same arguments and result as `attend` with T == 1. XLA's CPU backend runs the
+    einsum form as B*K tiny [G, D] x [D, S] matmuls; written as a broadcast product
+    reduced over D, then over S, it streams each sequence's K and V once and is about
+    3x faster at B=64 (the Pallas kernel replaces both on a GPU).
+    """
+    B, _, Hq, D = q.shape
+    K = k.shape[2]
+    G = Hq // K
+    f32 = jnp.float32
+    q = q.reshape(B, 1, K, G, D).astype(f32)
+    scores = jnp.sum(q * k[:, :, :, None, :].astype(f32), axis=-1) * (D ** -0.5)  # [B, S, K, G]
+    visible = (k_pos <= q_pos) & (k_pos < context_lens[:, None])  # [B, S]; q_pos [B, 1]
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    scores = jnp.where(visible[:, :, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=1)
+    out = jnp.sum(probs[..., None] * v[:, :, :, None, :].astype(f32), axis=1)  # [B, K, G, D]
+    return out.reshape(B, 1, Hq, D).astype(v.dtype)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
               kv_cache: tuple[jax.Array, jax.Array] | None, layer: jax.Array):
     """One layer's attention; returns (out [B, T, Hq, D], updated kv_cache or None).
@@ -95,5 +119,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
     values = gather_kv(v_cache, layer, meta.block_tables)
     B, S = keys.shape[:2]
     k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
-    out = attend(q, keys, values, meta.positions, k_pos, meta.context_lens, meta.sliding_window)
+    impl = attend_one if q.shape[1] == 1 else attend
+    out = impl(q, keys, values, meta.positions, k_pos, meta.context_lens, meta.sliding_window)
     return out, (k_cache, v_cache)
