@@ -1,4 +1,4 @@
-"""`jaxserve` command line: serve, convert, generate, chat."""
+"""`jaxserve` command line: serve, convert, generate, chat, bench."""
 
 from __future__ import annotations
 
@@ -162,6 +162,12 @@ def _cmd_chat(args) -> int:
     return chat_loop(args.url, args.model, args.api_key, args.system, args.max_tokens, args.temperature)
 
 
+def _cmd_bench(args) -> int:
+    from jaxserve.bench.run import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM inference server")
     sub = p.add_subparsers(dest="command", required=True)
@@ -206,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--max-tokens", type=int, default=512)
     h.add_argument("--temperature", type=float, default=0.7)
     h.set_defaults(func=_cmd_chat)
+
+    from jaxserve.bench.run import add_arguments
+
+    b = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (TTFT, TPOT, ITL, throughput)")
+    add_arguments(b)
+    b.set_defaults(func=_cmd_bench)
     return p
 
 

@@ -1,0 +1,169 @@
+"""The benchmark harness against a fake streaming server whose chunk timings are known.
+
+The fake answers every completion with five text chunks: the first 200 ms after the
+request arrives, the next four 50 ms apart, then a usage chunk that says 6 completion
+tokens (more tokens than chunks, as when a server batches two tokens into one chunk)
+and 10 prompt tokens. So, by hand, for every request:
+    TTFT = 200 ms, ITL = 50 ms (4 gaps), E2EL = 200 + 4 x 50 = 400 ms,
+    TPOT = (E2EL - TTFT) / (6 - 1) = 40 ms (not the ITL: tokens, not chunks).
+Four requests at max concurrency 2 run as two waves of two: duration = 2 x 400 ms,
+request throughput = 4 / 0.8 = 5 req/s, output = 24 / 0.8 = 30 tok/s,
+total = (40 + 24) / 0.8 = 80 tok/s. Timings are real (loopback, asyncio sleeps),
+so each is checked against its value with a little slack for scheduling, and for
+TTFT and E2EL for opening the connection too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from jaxserve.bench import dataset, report
+from jaxserve.bench.client import run_load
+from jaxserve.bench.metrics import RequestRecord, parse_slos, summarize
+from jaxserve.bench.run import add_arguments, run_sweep
+from server_proc import free_port
+
+TTFT, GAP, CHUNKS, TOKENS, PROMPT_TOKENS = 0.200, 0.050, 5, 6, 10
+
+
+def fake_app() -> Starlette:
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def completions(request):
+        body = await request.json()
+        if body.get("prompt") == "fail":
+            return JSONResponse({"error": {"message": "boom", "type": "server_error", "param": None,
+                                           "code": None}}, status_code=500)
+        chat = "messages" in body
+
+        async def events():
+            await asyncio.sleep(TTFT)
+            for i in range(CHUNKS):
+                if i:
+                    await asyncio.sleep(GAP)
+                choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"index": 0, "text": f"t{i} "}
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": TOKENS}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/v1/chat/completions", completions, methods=["POST"])])
+
+
+@pytest.fixture(scope="module")
+def fake_url():
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(fake_app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "fake server did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def prompts(n: int, chat: bool = False) -> list[dataset.BenchPrompt]:
+    if chat:
+        return [dataset.BenchPrompt(None, [{"role": "user", "content": "hi"}], 3, 6) for _ in range(n)]
+    return [dataset.BenchPrompt("hi", None, 3, 6) for _ in range(n)]
+
+
+SLACK = {"ttft": 0.04, "e2el": 0.04, "itl": 0.015, "tpot": 0.015}  # seconds, late side
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_metrics_against_known_chunk_timings(fake_url, chat):
+    records, duration = asyncio.run(run_load(fake_url, "fake", prompts(4, chat), max_concurrency=2, warmup=0,
+                                             progress=False))
+    r = summarize(records, duration)
+    assert r["completed"] == 4 and r["failed"] == 0
+    assert r["output_tokens"] == 4 * TOKENS and r["prompt_tokens"] == 4 * PROMPT_TOKENS  # from usage
+    for key, expected in (("ttft", TTFT), ("itl", GAP), ("e2el", TTFT + 4 * GAP),
+                          ("tpot", (4 * GAP) / (TOKENS - 1))):
+        for stat in ("mean", "p50", "p99"):
+            assert expected - 0.003 <= r[key][stat] <= expected + SLACK[key], (key, stat, r[key])
+    wave = TTFT + 4 * GAP
+    assert 2 * wave <= duration <= 2 * wave + 0.1
+    assert r["request_throughput"] == pytest.approx(4 / (2 * wave), rel=0.1)
+    assert r["output_throughput"] == pytest.approx(24 / (2 * wave), rel=0.1)
+    assert r["total_token_throughput"] == pytest.approx(64 / (2 * wave), rel=0.1)
+
+
+def test_unbounded_concurrency_runs_all_at_once(fake_url):
+    records, duration = asyncio.run(run_load(fake_url, "fake", prompts(6), max_concurrency=None, warmup=1,
+                                             progress=False))
+    assert len(records) == 5  # the warm-up is not counted
+    assert TTFT + 4 * GAP <= duration <= TTFT + 4 * GAP + 0.1  # one wave, not five
+
+
+def test_summary_by_hand_with_failures_and_goodput():
+    """Two requests made up by hand (times in s from 0), and one that failed."""
+    a = RequestRecord(start=0.0, prompt_tokens=4, chunk_times=[0.1, 0.2, 0.4], output_tokens=3)
+    b = RequestRecord(start=1.0, prompt_tokens=6, chunk_times=[1.3, 1.5], output_tokens=5)
+    bad = RequestRecord(start=0.0, prompt_tokens=9, error="HTTP 500: boom")
+    r = summarize([a, b, bad], duration=2.0, slos=parse_slos(["ttft:200"]))
+    assert (r["completed"], r["failed"], r["errors"]) == (2, 1, ["HTTP 500: boom"])
+    assert r["ttft"]["mean"] == pytest.approx((0.1 + 0.3) / 2)
+    assert r["e2el"]["p50"] == pytest.approx((0.4 + 0.5) / 2)
+    # a: (0.4 - 0.1) / 2 = 0.15; b: (0.5 - 0.3) / 4 = 0.05
+    assert r["tpot"]["mean"] == pytest.approx(0.1)
+    assert r["itl"]["p50"] == pytest.approx(0.2)  # gaps 0.1, 0.2, 0.2
+    assert r["itl"]["mean"] == pytest.approx(0.5 / 3)
+    assert r["output_throughput"] == pytest.approx(8 / 2.0) and r["total_token_throughput"] == pytest.approx(18 / 2)
+    assert r["good_requests"] == 1 and r["goodput"] == pytest.approx(0.5)  # only a has TTFT <= 200 ms
+
+
+def test_server_errors_are_counted_not_raised(fake_url):
+    bad = [dataset.BenchPrompt("fail", None, 1, 4)] + prompts(1)
+    records, duration = asyncio.run(run_load(fake_url, "fake", bad, max_concurrency=2, warmup=0, progress=False))
+    r = summarize(records, duration)
+    assert r["completed"] == 1 and r["failed"] == 1 and "HTTP 500" in r["errors"][0]
+
+
+def test_bad_slo_is_a_clear_error():
+    with pytest.raises(ValueError, match="KEY:MILLISECONDS"):
+        parse_slos(["latency:5"])
+
+
+def test_synthetic_prompts_have_the_asked_lengths_and_are_seeded(default_model_dir):
+    tok = dataset.load_tokenizer(default_model_dir)
+    a = dataset.synthetic(tok, 8, 256, 128, seed=3)
+    assert a == dataset.synthetic(tok, 8, 256, 128, seed=3) != dataset.synthetic(tok, 8, 256, 128, seed=4)
+    assert all(250 <= p.prompt_tokens <= 262 and p.output_len == 128 for p in a)  # re-encoding may merge a few
+    b = dataset.synthetic(tok, 200, 100, 50, kind="sharegpt-like", seed=0)
+    ins = sorted(p.prompt_tokens for p in b)
+    assert 70 <= ins[100] <= 140 and ins[-1] > 2 * ins[100]  # median near 100, a long right tail
+
+
+def test_sweep_writes_table_json_and_plot(fake_url, default_model_dir, tmp_path):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--url", fake_url, "--tokenizer", str(default_model_dir), "--input-len", "16",
+                         "--output-len", "6", "--num-prompts", "2,4", "--max-concurrency", "1,4", "--warmup", "0",
+                         "--label", "fake"])
+    results = run_sweep(args, progress=False)
+    assert [r["max_concurrency"] for r in results] == [1, 4] and all(r["completed"] == r["num_prompts"]
+                                                                     for r in results)
+    text = report.table(results)
+    assert len(text.splitlines()) == 3 and "fake" in text
+    report.save_json(tmp_path / "r.json", {"results": results})
+    assert json.loads((tmp_path / "r.json").read_text())["results"][1]["num_prompts"] == 4
+    report.plot({"fake": results}, tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
