@@ -10,7 +10,8 @@ padded into the smallest bucket that holds them:
     decode   tokens [B, 1]   B in decode_batch_buckets, block tables [B, P] with P
              pages covering the smallest context bucket >= the longest context
     prefill  tokens [B, T]   B in prefill_batch_buckets, T in prefill_length_buckets,
-             block tables over the full max_model_len
+             block tables [B, P] over the smallest context bucket that holds T
+             tokens, or (for a later chunk of a long prompt) over max_model_len
 
 Every bucket is compiled at start-up (`warmup`), with compile times logged; JAX's
 persistent compilation cache makes the next start-up cheap. Padding rows and
@@ -128,8 +129,17 @@ class ModelRunner:
     def buckets(self) -> list[tuple[int, int, int]]:
         """Every (B, T, P) shape a step can take."""
         decode = [(b, 1, p) for b in self.decode_batches for p in self.context_page_buckets]
-        prefill = [(b, t, self.max_pages_per_seq) for b in self.prefill_batches for t in self.prefill_lengths]
+        prefill = [(b, t, p) for b in self.prefill_batches for t in self.prefill_lengths
+                   for p in self.prefill_page_buckets(t)]
         return decode + prefill
+
+    def prefill_page_buckets(self, T: int) -> tuple[int, ...]:
+        """Context widths (in pages) a [B, T] prefill compiles for: the smallest context
+        bucket that holds T tokens (a fresh prompt, start 0) and the whole max_model_len
+        (a later chunk of a long prompt). A short prompt so never attends over 2048 slots."""
+        ps = self.page_size
+        fresh = next(p for p in self.context_page_buckets if p * ps >= min(T, self.cfg.max_model_len))
+        return tuple(sorted({fresh, self.max_pages_per_seq}))
 
     def _abstract_args(self, B: int, T: int, P: int):
         i32, f32 = jnp.int32, jnp.float32
@@ -170,7 +180,8 @@ class ModelRunner:
         else:
             B = _bucket(n, self.prefill_batches)
             T = _bucket(max(it.length for it in items), self.prefill_lengths)
-            P = self.max_pages_per_seq
+            P = _bucket(max(-(-(it.start + it.length) // self.page_size) for it in items),
+                        self.prefill_page_buckets(T))
         inp, samp = self._host_arrays(items, B, T, P)
         exe = self._executables.get((B, T, P))
         if exe is None:  # not warmed up (tests may run a cold runner); compiled once, then kept
