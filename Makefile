@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: serve generate test install install-test model bench-latency bench-throughput clean
+.PHONY: serve generate test install install-test install-bench model bench-latency bench-throughput bench-compare clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,13 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[bench]'
+	touch $@
+
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
+install-bench: $(VENV)/.installed-bench
 
 $(MODEL)/params: $(VENV)/.installed
 	$(PY) scripts/fetch_default_model.py
@@ -38,6 +43,10 @@ bench-throughput: install model
 
 bench-latency: install model
 	$(PY) scripts/bench_latency.py
+
+# jaxserve vs the naive transformers server vs llama.cpp's llama-server; writes BENCHMARKS.md.
+bench-compare: install-bench model
+	$(PY) scripts/bench_compare.py
 
 test: install-test model
 	$(PY) -m pytest -q

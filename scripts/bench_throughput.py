@@ -26,9 +26,9 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.bench.machine import matmul_gflops, memcpy_gbps
 from jaxserve.config import EngineConfig
 from jaxserve.default_model import DEFAULT_DIR
 from jaxserve.engine.engine import Engine
@@ -36,22 +36,7 @@ from jaxserve.engine.sequence import SamplingParams
 
 
 def machine_peaks() -> dict:
-    a = np.ones(256 * 2**20 // 4, np.float32)  # 256 MiB
-    b = np.empty_like(a)
-    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(5))
-    bandwidth = 2 * a.nbytes / best / 1e9  # read + write
-    n = 2048
-    x = jnp.ones((n, n), jnp.float32)
-    mm = jax.jit(lambda x: x @ x)
-    mm(x).block_until_ready()
-    best = min(_timed(lambda: mm(x).block_until_ready()) for _ in range(5))
-    return {"memcpy_GBps": bandwidth, "matmul_fp32_GFLOPs": 2 * n**3 / best / 1e9}
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return {"memcpy_GBps": memcpy_gbps(), "matmul_fp32_GFLOPs": matmul_gflops()}
 
 
 class StepTimer:
