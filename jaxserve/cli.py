@@ -13,7 +13,8 @@ def _cmd_convert(args) -> int:
     from jaxserve.checkpoint.errors import ConversionError
 
     try:
-        dst = convert(args.src, args.dst, dtype=args.dtype, progress=not args.quiet)
+        dst = convert(args.src, args.dst, dtype=args.dtype, progress=not args.quiet, quantize=args.quantize,
+                      group_size=args.group_size)
     except ConversionError as e:
         print(f"jaxserve convert: error: {e}", file=sys.stderr)
         return 1
@@ -133,7 +134,8 @@ def _cmd_serve(args) -> int:
             over["api_keys"] = tuple(args.api_key)
         server = dataclasses.replace(server, **over)
         eng = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len),
-                                 ("kv_cache_memory_gib", args.kv_cache_memory)) if v is not None}
+                                 ("kv_cache_memory_gib", args.kv_cache_memory),
+                                 ("kv_cache_memory_fraction", args.kv_cache_memory_fraction)) if v is not None}
         if "max_num_seqs" in eng and "decode_batch_buckets" not in eng:
             eng["decode_batch_buckets"] = tuple(b for b in engine.decode_batch_buckets if b < eng["max_num_seqs"]) + (
                 eng["max_num_seqs"],)
@@ -176,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src", help="Hugging Face model directory (config.json + safetensors) or a .gguf file")
     c.add_argument("dst", help="output directory (must not exist)")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantization of the matmul weights")
+    c.add_argument("--group-size", type=int, default=128, help="int4 group size along the input dimension")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_cmd_convert)
 
@@ -202,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, help="most sequences decoding at once")
     s.add_argument("--max-model-len", type=int, help="most tokens (prompt + output) of one request")
     s.add_argument("--kv-cache-memory", type=float, metavar="GIB", help="KV cache budget in GiB")
+    s.add_argument("--kv-cache-memory-fraction", type=float, metavar="F",
+                   help="KV cache budget as a fraction of free device memory (GPUs; wins over GiB there)")
     s.set_defaults(func=_cmd_serve)
 
     h = sub.add_parser("chat", help="chat in the terminal with a running server (streams the answers)")

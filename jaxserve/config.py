@@ -179,12 +179,13 @@ class EngineConfig:
     [B, T] with B from `prefill_batch_buckets` and T from `prefill_length_buckets`;
     prompts longer than the largest T are prefilled in chunks.
 
-    `num_pages` wins over `kv_cache_memory_gib` when both are set; `max_model_len`
+    `num_pages` wins over the memory budgets when set; `max_model_len`
     is capped by the model's own context length when the engine starts.
     """
 
     page_size: int = 16
     kv_cache_memory_gib: float = 1.0
+    kv_cache_memory_fraction: float | None = None  # of free device memory; GPUs only, wins over GiB there
     num_pages: int | None = None
     max_num_seqs: int = 64
     max_model_len: int = 2048
@@ -193,6 +194,9 @@ class EngineConfig:
     prefill_batch_buckets: tuple[int, ...] = (1, 4)
     prefill_length_buckets: tuple[int, ...] = (32, 128, 512)
     dtype: str = "float32"
+    attention_impl: str = "auto"  # auto | pallas | xla: auto is Pallas on a GPU, XLA elsewhere
+    matmul_impl: str = "auto"  # the same, for int8/int4 weights (float weights always use XLA)
+    interpret: bool = False  # run Pallas kernels in interpret mode (tests on CPU)
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
     seed: int = 0
 
@@ -213,8 +217,13 @@ class EngineConfig:
             raise ConfigError(f"largest context bucket {self.context_buckets[-1]} < max_model_len {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ConfigError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
+            raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}")
         if self.kv_cache_memory_gib <= 0:
             raise ConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        for name in ("attention_impl", "matmul_impl"):
+            if getattr(self, name) not in ("auto", "pallas", "xla"):
+                raise ConfigError(f"{name} must be auto, pallas or xla, got {getattr(self, name)!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
 

@@ -104,3 +104,22 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_scheduler_bookkeeping = SchedulerMachine.TestCase
+
+
+def test_kv_budget_from_gib_or_a_fraction_of_device_memory():
+    """CPUs report no memory size, so a fraction falls back to the GiB budget; a bad fraction is refused."""
+    import jax
+
+    from jaxserve.config import ConfigError, EngineConfig
+    from jaxserve.engine.engine import kv_budget_bytes
+
+    assert kv_budget_bytes(EngineConfig(kv_cache_memory_gib=0.5)) == 2**29
+    stats = jax.local_devices()[0].memory_stats() or {}
+    cfg = EngineConfig(kv_cache_memory_gib=0.5, kv_cache_memory_fraction=0.5)
+    if "bytes_limit" in stats:
+        assert 0 < kv_budget_bytes(cfg) < stats["bytes_limit"]
+    else:
+        assert kv_budget_bytes(cfg) == 2**29
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ConfigError, match="kv_cache_memory_fraction"):
+            EngineConfig(kv_cache_memory_fraction=bad)

@@ -35,6 +35,8 @@ import uuid
 from pathlib import Path
 from typing import AsyncIterator, Iterable
 
+import jax
+
 from jaxserve.checkpoint.load import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine.pages import PagePool, kv_bytes_per_page, pages_for_budget
@@ -44,6 +46,19 @@ from jaxserve.engine.sequence import InvalidRequest, SamplingParams, Sequence, S
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+def kv_budget_bytes(config: EngineConfig) -> int:
+    """The KV cache budget: `kv_cache_memory_fraction` of the device memory still free once
+    the weights are loaded, where the device reports its memory (GPUs), else
+    `kv_cache_memory_gib` (CPUs report nothing, and share memory with everything else)."""
+    if config.kv_cache_memory_fraction is not None:
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            return int(config.kv_cache_memory_fraction * free)
+        log.info("the device reports no memory size; using kv_cache_memory_gib=%s", config.kv_cache_memory_gib)
+    return int(config.kv_cache_memory_gib * 2**30)
 
 
 class Engine:
@@ -57,7 +72,7 @@ class Engine:
         self.model_cfg, params = load_model(model_dir, dtype=config.dtype)
         max_len = min(config.max_model_len, self.model_cfg.max_position_embeddings)
         num_pages = config.num_pages or pages_for_budget(
-            int(config.kv_cache_memory_gib * 2**30),
+            kv_budget_bytes(config),
             kv_bytes_per_page(self.model_cfg.num_layers, config.page_size, self.model_cfg.num_kv_heads,
                               self.model_cfg.head_dim, 4 if config.dtype == "float32" else 2))
         if num_pages < 1:
