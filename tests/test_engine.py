@@ -164,3 +164,30 @@ def test_small_page_pool_completes_everything(tiny_model_dir):
     assert [o.finish_reason for o in outs] == ["length"] * 8
     assert [o.token_ids for o in outs] == [o.token_ids for o in ample]
     assert small.engine.pool.num_used == 0
+
+
+def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
+    """Plain lines and JSON lines in; one JSON line per prompt out, in order, each equal to the
+    same prompt through `LLM.generate`; the throughput report on stderr."""
+    import json
+    import subprocess
+    import sys
+
+    f = tmp_path / "prompts.txt"
+    f.write_text('The sky is\n{"prompt": "One, two,", "max_tokens": 3}\n\n{"prompt": "Hello", "stop": ["zz"]}\n')
+    proc = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--model", str(tiny_model_dir),
+                           "--prompts-file", str(f), "--max-tokens", "5", "--max-num-seqs", "4"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["The sky is", "One, two,", "Hello"]
+    assert all(1 <= r["completion_tokens"] <= m for r, m in zip(rows, [5, 3, 5]))  # per-line max_tokens
+    llm = LLM(tiny_model_dir, max_num_seqs=4, compilation_cache_dir=None)
+    want = llm.generate(["The sky is"], SamplingParams(max_tokens=5, temperature=0))[0]
+    assert rows[0]["text"] == want.text
+    assert "generated tok/s" in proc.stderr
+    bad = tmp_path / "bad.txt"
+    bad.write_text('{"prompt": "x"\n')
+    proc = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--model", str(tiny_model_dir),
+                           "--prompts-file", str(bad)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "bad.txt:1: invalid JSON" in proc.stderr
