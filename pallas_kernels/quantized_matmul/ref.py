@@ -1,0 +1,68 @@
+"""Weight-only quantization: the formats, quantizers and pure-jnp reference matmuls.
+
+int8, per output channel: w [K, N] ~ q [K, N] int8 * scale [N], scale = max|w[:, n]| / 127.
+
+int4, group-wise and asymmetric (group size G along K, default 128): w [K, N] ~
+v * scale + low, v in [0, 15], per group scale = (max - min) / 15 and low = min, both
+[K / G, N] (asymmetric, as GGUF's Q4_1: a group's range need not straddle zero). A K
+that G does not divide uses the largest power of two below G that does (576 -> 64).
+Two values per byte, packed by halves of each group so that a kernel unpacks without
+interleaving: byte row g * G/2 + r holds v[g * G + r] in its low nibble and
+v[g * G + G/2 + r] in its high nibble. So within group g,
+x @ w = x[:, first half] @ low + x[:, second half] @ high.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def quantize_int8(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    w = w.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(w), axis=0) / 127.0
+    scale = jnp.where(scale == 0, 1.0, scale)
+    q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def int8_matmul_ref(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [M, K] @ (q [K, N] int8 * scale [N]) -> [M, N] in x's dtype."""
+    y = jnp.dot(x.astype(jnp.float32), q.astype(jnp.float32), precision="highest") * scale
+    return y.astype(x.dtype)
+
+
+def int4_group_size(K: int, group_size: int = 128) -> int:
+    g = group_size
+    while K % g:
+        g //= 2
+    if g < 32:
+        raise ValueError(f"int4 needs K divisible by 32 at least, got K={K}")
+    return g
+
+
+def quantize_int4(w: jax.Array, group_size: int = 128) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """w [K, N] -> packed [K / 2, N] uint8, scales and lows [K / G, N] float32 (G = int4_group_size)."""
+    K, N = w.shape
+    G = int4_group_size(K, group_size)
+    w = w.astype(jnp.float32).reshape(K // G, G, N)
+    low = jnp.min(w, axis=1)
+    scale = (jnp.max(w, axis=1) - low) / 15.0  # [K / G, N]
+    scale = jnp.where(scale == 0, 1.0, scale)
+    v = jnp.clip(jnp.round((w - low[:, None, :]) / scale[:, None, :]), 0, 15).astype(jnp.int32)  # [K / G, G, N]
+    packed = v[:, : G // 2] | (v[:, G // 2:] << 4)
+    return packed.reshape(K // 2, N).astype(jnp.uint8), scale, low
+
+
+def unpack_int4(packed: jax.Array, scale: jax.Array, low: jax.Array) -> jax.Array:
+    """packed [K / 2, N] uint8, scales and lows [K / G, N] -> dequantized float32 [K, N]."""
+    n_groups, N = scale.shape
+    p = packed.astype(jnp.int32).reshape(n_groups, -1, N)  # [K / G, G / 2, N]
+    v = jnp.concatenate([p & 0xF, p >> 4], axis=1).astype(jnp.float32)  # [K / G, G, N]
+    return (v * scale[:, None, :] + low[:, None, :]).reshape(-1, N)
+
+
+def int4_matmul_ref(x: jax.Array, packed: jax.Array, scale: jax.Array, low: jax.Array) -> jax.Array:
+    """x [M, K] @ dequantized int4 [K, N] -> [M, N] in x's dtype."""
+    y = jnp.dot(x.astype(jnp.float32), unpack_int4(packed, scale, low), precision="highest")
+    return y.astype(x.dtype)
