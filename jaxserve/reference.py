@@ -35,7 +35,7 @@ class ReferenceGenerator:
         self._step = jax.jit(self._step_fn, donate_argnums=(4,))
 
     def _new_cache(self):
-        dtype = self.params["embed"].dtype
+        dtype = self.params["final_norm"].dtype
         shape = (self.cfg.num_layers, self.num_pages, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 

@@ -36,6 +36,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.sampler import SampleOutput, SamplingArrays, sample
 from jaxserve.engine.sequence import Sequence
 from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.layers.linear import resolve as resolve_impl
 from jaxserve.models import family
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params: dict, cfg: EngineConfig, num_pages: int):
         self.model_cfg, self.params, self.cfg = model_cfg, params, cfg
         self.model = family(model_cfg)
+        self.attention_impl = resolve_impl(cfg.attention_impl)
+        self.matmul_impl = resolve_impl(cfg.matmul_impl)
         self.num_pages = num_pages
         self.page_size = cfg.page_size
         self.drop_slot = num_pages * cfg.page_size
@@ -117,11 +120,12 @@ class ModelRunner:
     def _step(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays):
         meta = AttentionMetadata(positions=inp.positions, context_lens=inp.context_lens,
                                  slot_mapping=inp.slot_mapping, block_tables=inp.block_tables,
-                                 sliding_window=self.model_cfg.sliding_window)
+                                 sliding_window=self.model_cfg.sliding_window, attention_impl=self.attention_impl,
+                                 matmul_impl=self.matmul_impl, interpret=self.cfg.interpret)
         hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, inp.tokens, meta, kv_cache)
         B = hidden.shape[0]
         last = hidden[jnp.arange(B), inp.last_index]  # [B, D]
-        logits = self.model.logits_from_hidden(params, last)  # [B, V]
+        logits = self.model.logits_from_hidden(params, last, self.matmul_impl, self.cfg.interpret)  # [B, V]
         return sample(logits, sampling), kv_cache
 
     # Buckets and compilation ----------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Attention over a paged KV cache: the one dispatch point for the attention kernel.
+"""Attention over a paged KV cache: the one dispatch point for the attention kernel
+(`AttentionMetadata.attention_impl`: the XLA reference here, or the Pallas kernels).
 
 The cache is `[L, num_pages, page_size, K, D]` per K and V. A token's slot is
 `page * page_size + offset`; a sequence's block table lists its pages in order, so
@@ -34,6 +35,11 @@ class AttentionMetadata:
     slot_mapping: jax.Array | None = None  # [B, T] int32 flat cache slot per token; >= num_slots drops it
     block_tables: jax.Array | None = None  # [B, P] int32 pages of each sequence, in order
     sliding_window: int | None = struct.field(pytree_node=False, default=None)
+    # Kernel choices, static so that a jitted step is specialised on them: "xla" or
+    # "pallas" (resolved from "auto" by the engine); interpret runs Pallas kernels on CPU.
+    attention_impl: str = struct.field(pytree_node=False, default="xla")
+    matmul_impl: str = struct.field(pytree_node=False, default="xla")
+    interpret: bool = struct.field(pytree_node=False, default=False)
 
 
 def write_kv(cache: jax.Array, layer: jax.Array, slot_mapping: jax.Array, new: jax.Array) -> jax.Array:
@@ -115,6 +121,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
     k_cache, v_cache = kv_cache
     k_cache = write_kv(k_cache, layer, meta.slot_mapping, k)
     v_cache = write_kv(v_cache, layer, meta.slot_mapping, v)
+    if meta.attention_impl == "pallas":
+        return _pallas_attention(q, k_cache, v_cache, meta, layer), (k_cache, v_cache)
     keys = gather_kv(k_cache, layer, meta.block_tables)  # [B, S, K, D]
     values = gather_kv(v_cache, layer, meta.block_tables)
     B, S = keys.shape[:2]
@@ -122,3 +130,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
     impl = attend_one if q.shape[1] == 1 else attend
     out = impl(q, keys, values, meta.positions, k_pos, meta.context_lens, meta.sliding_window)
     return out, (k_cache, v_cache)
+
+
+def _pallas_attention(q, k_cache, v_cache, meta: AttentionMetadata, layer) -> jax.Array:
+    """The Pallas kernels read K/V through the block tables; nothing is gathered."""
+    from pallas_kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+
+    if q.shape[1] == 1:
+        out = paged_decode_attention(q[:, 0], k_cache, v_cache, meta.block_tables, meta.context_lens, layer,
+                                     sliding_window=meta.sliding_window, interpret=meta.interpret)
+        return out[:, None]
+    return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.positions, layer,
+                                   sliding_window=meta.sliding_window, interpret=meta.interpret)

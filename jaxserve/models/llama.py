@@ -4,7 +4,7 @@ Parameters are a plain nested dict of arrays, with the layers' weights stacked o
 leading axis L so that `jax.lax.scan` runs one compiled layer body L times: a 30-layer
 model compiles one layer instead of thirty, which is most of the start-up time on a
 2-core machine. Linear weights are stored input-major (`[D_in, D_out]`), so every
-projection is `x @ w`.
+projection is `x @ w`, through `layers.linear` (which also takes int8/int4 weights).
 
     embed      [V, D]
     layers     attn_norm [L, D]
@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.layers.attention import AttentionMetadata, attention
+from jaxserve.layers.linear import embed, linear, tied_logits
 
 Params = dict
 
@@ -62,10 +63,11 @@ def _layer(cfg: ModelConfig, meta: AttentionMetadata, carry, layer_in):
     B, T, _ = x.shape
     Hq, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
+    mm = functools.partial(linear, impl=meta.matmul_impl, interpret=meta.interpret)
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = h @ p["wq"]
-    k = h @ p["wk"]
-    v = h @ p["wv"]
+    q = mm(h, p["wq"])
+    k = mm(h, p["wk"])
+    v = mm(h, p["wv"])
     if cfg.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     inv_freq = _inv_freq(cfg)
@@ -73,10 +75,10 @@ def _layer(cfg: ModelConfig, meta: AttentionMetadata, carry, layer_in):
     k = rope(k.reshape(B, T, K, Dh), meta.positions, inv_freq)
     v = v.reshape(B, T, K, Dh)
     attn, kv_cache = attention(q, k, v, meta, kv_cache, layer)
-    x = x + attn.reshape(B, T, Hq * Dh) @ p["wo"]
+    x = x + mm(attn.reshape(B, T, Hq * Dh), p["wo"])
 
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    x = x + mm(jax.nn.silu(mm(h, p["w_gate"])) * mm(h, p["w_up"]), p["w_down"])
     return (x, kv_cache), None
 
 
@@ -86,18 +88,19 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, meta: At
 
     kv_cache, when given, is (k, v), each [L, num_pages, page_size, K, Dh]; it is returned updated.
     """
-    x = params["embed"][tokens]  # [B, T, D]
+    x = embed(params["embed"], tokens, params["final_norm"].dtype)  # [B, T, D]
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, kv_cache), _ = jax.lax.scan(functools.partial(_layer, cfg, meta), (x, kv_cache), (params["layers"], layers))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv_cache
 
 
-def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
+def logits_from_hidden(params: Params, hidden: jax.Array, matmul_impl: str = "xla",
+                       interpret: bool = False) -> jax.Array:
     """hidden [..., D] -> float32 logits [..., V] through lm_head or the tied embedding."""
     if "lm_head" in params:
-        out = hidden @ params["lm_head"]
+        out = linear(hidden, params["lm_head"], matmul_impl, interpret)
     else:
-        out = jnp.einsum("...D,VD->...V", hidden, params["embed"])
+        out = tied_logits(hidden, params["embed"])
     return out.astype(jnp.float32)
 
 
