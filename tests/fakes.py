@@ -10,7 +10,7 @@ from pathlib import Path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def make_tiny_model(dst: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+def make_tiny_model(dst: Path, tokenizer_dir: Path, seed: int = 0, quantize: str | None = None) -> Path:
     import torch
     import transformers
 
@@ -24,6 +24,6 @@ def make_tiny_model(dst: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     transformers.LlamaForCausalLM(cfg).save_pretrained(src)
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, src / name)
-    convert(src, dst, progress=False)
+    convert(src, dst, progress=False, quantize=quantize)
     shutil.rmtree(src)
     return dst

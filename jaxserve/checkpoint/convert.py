@@ -138,11 +138,19 @@ def _read_source(src: Path):
     return hf, tensors(), count, tok_files
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32", progress: bool = True) -> Path:
-    """Convert SRC (HF dir or .gguf) into an Orbax model directory at DST; returns DST."""
+def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32", progress: bool = True,
+            quantize: str | None = None, group_size: int = 128) -> Path:
+    """Convert SRC (HF dir or .gguf) into an Orbax model directory at DST; returns DST.
+
+    `quantize` = "int8" | "int4" stores the matmul weights weight-only quantized
+    (jaxserve/checkpoint/quantize.py); config.json records it under "jaxserve_quantization"."""
+    from jaxserve.checkpoint.quantize import MODES, quantize_params
+
     src, dst = Path(src), Path(dst)
     if dtype not in DTYPES:
         raise ConversionError(f"unsupported --dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+    if quantize is not None and quantize not in MODES:
+        raise ConversionError(f"unsupported --quantize {quantize!r} (supported: {', '.join(MODES)})")
     if dst.exists():
         raise ConversionError(f"{dst}: already exists; remove it or choose another destination")
     hf, tensors, count, tok_files = _read_source(src)
@@ -152,6 +160,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
         raise ConversionError(f"{src}: {e}") from None
     bar = tqdm(tensors, total=count, desc=f"converting {src.name}", unit="tensor", disable=not progress)
     params = build_params(cfg, bar, DTYPES[dtype])
+    if quantize is not None:
+        params = quantize_params(params, quantize, group_size)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
@@ -159,6 +169,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
     tmp.mkdir()
     try:
         hf = dict(hf, torch_dtype=dtype)
+        if quantize is not None:
+            hf["jaxserve_quantization"] = {"mode": quantize, "group_size": group_size}
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, default=_json_default))
         for name, content in tok_files.items():
             if isinstance(content, Path):

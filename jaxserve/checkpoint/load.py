@@ -20,7 +20,9 @@ def load_params(model_dir: str | Path, dtype: str | None = None) -> dict:
     params = ocp.StandardCheckpointer().restore(path)
     # Orbax hands back host numpy arrays; put them on the device once, or every jitted
     # call would copy the whole model again.
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    # Quantized weights (int8, packed int4) keep their integer type; only floats are cast.
+    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype if jnp.issubdtype(a.dtype, jnp.floating) else None),
+                        params)
 
 
 def load_model(model_dir: str | Path, dtype: str | None = None) -> tuple[ModelConfig, dict]:
