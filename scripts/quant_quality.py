@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Quality of int8 / int4 weight-only quantization on the default model, and checkpoint sizes.
+
+    python scripts/quant_quality.py [--out-dir checkpoints] [--tokens 64]
+
+Converts the default model's GGUF four ways (float32, the default checkpoint; int8;
+int4 with groups of 128, and of 32, the block size of the GGUF's own Q4_1 weights), lets the float32 model continue 8 chat prompts
+greedily for 64 tokens, then teacher-forces each quantized model on exactly those
+sequences (one cache-free forward over prompt + continuation) and counts how often its
+top-1 prediction at each continuation position equals the float32 token. Prints the
+agreement and the size of each checkpoint's params/ directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from jaxserve.checkpoint.convert import convert  # noqa: E402
+from jaxserve.checkpoint.load import load_model  # noqa: E402
+from jaxserve.checkpoint.quantize import param_bytes  # noqa: E402
+from jaxserve.default_model import DEFAULT_DIR, ensure_default_model, gguf_path  # noqa: E402
+from jaxserve.models import llama  # noqa: E402
+from jaxserve.reference import ReferenceGenerator  # noqa: E402
+from jaxserve.tokenizer import Tokenizer  # noqa: E402
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis to a child.",
+    "Give me three tips for a job interview.",
+    "What is 17 times 23?",
+    "Translate 'good morning' into Spanish and German.",
+    "Why do cats purr?",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+]
+
+
+def size_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
+
+
+def top1(params, cfg, seq: list[int]) -> np.ndarray:
+    tokens = jnp.asarray([seq], jnp.int32)
+    meta = llama.reference_metadata(np.asarray([len(seq)]), len(seq), cfg)
+    logits, _ = llama.forward(params, cfg, tokens, meta)
+    return np.asarray(jnp.argmax(logits[0], axis=-1))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", default=str(ROOT / "checkpoints"))
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    ensure_default_model()
+    dirs = {"float32": DEFAULT_DIR}
+    variants = {"int8": ("int8", 128), "int4-g128": ("int4", 128), "int4-g32": ("int4", 32)}
+    for name, (mode, group) in variants.items():
+        d = Path(args.out_dir) / f"{DEFAULT_DIR.name}-{name}"
+        if not (d / "params").is_dir():
+            convert(gguf_path(), d, quantize=mode, group_size=group, progress=False)
+        dirs[name] = d
+    tok = Tokenizer(DEFAULT_DIR)
+    cfg, ref_params = load_model(DEFAULT_DIR)
+    seqs = []
+    for p in PROMPTS:
+        ids = tok.encode_chat([{"role": "user", "content": p}])
+        gen = ReferenceGenerator(cfg, ref_params, max_len=len(ids) + args.tokens)
+        out = list(gen.stream(ids, args.tokens, temperature=0.0, seed=0, stop_ids=()))
+        seqs.append((ids, out))
+    f32_mb = size_mb(dirs["float32"] / "params")
+    f32_bytes = param_bytes(ref_params)
+    print(f"float32: params/ {f32_mb:.0f} MB on disk, {f32_bytes / 1e6:.0f} MB in memory")
+    for mode in variants:
+        _, params = load_model(dirs[mode])
+        agree = total = 0
+        for ids, out in seqs:
+            pred = top1(params, cfg, ids + out)
+            # the prediction at position len(ids) - 1 + i is the model's guess for out[i]
+            agree += int(np.sum(pred[len(ids) - 1: len(ids) - 1 + len(out)] == np.asarray(out)))
+            total += len(out)
+        mb = size_mb(dirs[mode] / "params")
+        nbytes = param_bytes(params)
+        print(f"{mode}: top-1 agreement with float32 {agree / total:.1%} ({agree}/{total} tokens, "
+              f"{len(seqs)} prompts x {args.tokens}); params/ {mb:.0f} MB on disk = {mb / f32_mb:.0%} of float32, "
+              f"{nbytes / 1e6:.0f} MB in memory = {nbytes / f32_bytes:.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
