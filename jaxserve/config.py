@@ -193,6 +193,10 @@ class EngineConfig:
     context_buckets: tuple[int, ...] = (256, 1024, 2048)
     prefill_batch_buckets: tuple[int, ...] = (1, 4)
     prefill_length_buckets: tuple[int, ...] = (32, 128, 512)
+    # Tokens (rows x padded chunk) one prefill step may take; None: a full batch of the
+    # largest bucket. A small budget prefills long prompts in chunks that alternate with
+    # decode steps, so running streams keep flowing (shorter ITL, longer TTFT).
+    prefill_token_budget: int | None = None
     dtype: str = "float32"
     attention_impl: str = "auto"  # auto | pallas | xla: auto is Pallas on a GPU, XLA elsewhere
     matmul_impl: str = "auto"  # the same, for int8/int4 weights (float weights always use XLA)
@@ -215,6 +219,8 @@ class EngineConfig:
                               f"{self.max_num_seqs}")
         if self.context_buckets[-1] < self.max_model_len:
             raise ConfigError(f"largest context bucket {self.context_buckets[-1]} < max_model_len {self.max_model_len}")
+        if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
+            raise ConfigError(f"prefill_token_budget must be >= 1, got {self.prefill_token_budget}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ConfigError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:

@@ -191,3 +191,41 @@ def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--model", str(tiny_model_dir),
                            "--prompts-file", str(bad)], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "bad.txt:1: invalid JSON" in proc.stderr
+
+
+def test_prefill_token_budget_chunks_long_prompts_between_decode_steps(tiny_model_dir):
+    """With a 32-token budget a 100-token prompt arriving while a stream decodes is prefilled in
+    chunks of <= 32 tokens, each followed by a decode step of the running stream, and both
+    greedy outputs equal the ones without a budget (where the prompt goes in one step)."""
+    opts = dict(max_num_seqs=4, decode_batch_buckets=(1, 4), context_buckets=(256,), max_model_len=256,
+                prefill_length_buckets=(32, 128), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
+    rng = random.Random(9)
+    short = [rng.randrange(3, 49152) for _ in range(8)]
+    long = [rng.randrange(3, 49152) for _ in range(100)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+    def run(**extra):
+        eng = Engine(tiny_model_dir, EngineConfig(**opts, **extra))
+        steps = []
+        real_run = eng.runner.run
+
+        def recording_run(items, decode):
+            steps.append(("decode" if decode else "prefill", sum(it.length for it in items)))
+            return real_run(items, decode)
+
+        eng.runner.run = recording_run
+        a = eng.add_request(short, params).request_id
+        events = [ev for _ in range(3) for ev in eng.step()]  # the short one decodes before the long one comes
+        b = eng.add_request(long, params).request_id
+        outs = {}
+        for ev in events + eng.run_until_done():
+            outs.setdefault(ev.request_id, []).extend(ev.token_ids)
+        return [outs[a], outs[b]], steps[3:], eng
+
+    want, steps_whole, _ = run()
+    assert ("prefill", 100) in steps_whole
+    got, steps, eng = run(prefill_token_budget=32)
+    assert got == want and eng.pool.num_used == 0
+    prefills = [i for i, (kind, _) in enumerate(steps) if kind == "prefill"]
+    assert [steps[i][1] for i in prefills] == [32, 32, 32, 4]
+    assert all(steps[i + 1][0] == "decode" for i in prefills[:-1])  # the stream kept flowing

@@ -81,11 +81,12 @@ class Engine:
         self.pool = PagePool(num_pages, config.page_size)
         self.runner = ModelRunner(self.model_cfg, params, self.config, num_pages)
         max_chunk = self.config.prefill_length_buckets[-1]
+        budget = self.config.prefill_token_budget or max(self.runner.prefill_batches) * max_chunk
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=self.config.max_num_seqs,
             max_prefill_seqs=max(self.runner.prefill_batches),
-            max_prefill_chunk=max_chunk,
-            max_prefill_tokens=max(self.runner.prefill_batches) * max_chunk,
+            max_prefill_chunk=min(max_chunk, budget),
+            max_prefill_tokens=budget,
             watermark_pages=max(1, num_pages // 100)), self.pool)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_cfg.eos_token_ids)
         self._rng = random.Random(config.seed)
