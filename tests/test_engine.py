@@ -229,3 +229,28 @@ def test_prefill_token_budget_chunks_long_prompts_between_decode_steps(tiny_mode
     prefills = [i for i, (kind, _) in enumerate(steps) if kind == "prefill"]
     assert [steps[i][1] for i in prefills] == [32, 32, 32, 4]
     assert all(steps[i + 1][0] == "decode" for i in prefills[:-1])  # the stream kept flowing
+
+
+def test_interactive_request_preempts_a_batch_one_when_slots_are_full(tiny_model_dir):
+    """max_num_seqs = 2, both slots decoding batch requests (priority 10): an interactive request
+    (priority 0) preempts the latest batch one at once, runs, and every greedy output equals
+    the output of the same request run alone (the preempted one is recomputed)."""
+    opts = dict(max_num_seqs=2, decode_batch_buckets=(1, 2), context_buckets=(128,), max_model_len=128,
+                prefill_length_buckets=(32,), prefill_batch_buckets=(1,), compilation_cache_dir=None)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 49152) for _ in range(12)] for _ in range(3)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    solo = LLM(tiny_model_dir, **opts)
+    alone = [solo.generate([p], params)[0].token_ids for p in prompts]
+    eng = Engine(tiny_model_dir, EngineConfig(**opts))
+    batch = [eng.add_request(p, params, priority=10) for p in prompts[:2]]
+    for _ in range(4):
+        eng.step()
+    assert eng.num_running == 2 and all(len(s.output_ids) >= 1 for s in batch)
+    urgent = eng.add_request(prompts[2], params, priority=0)
+    eng.step()
+    assert urgent in eng.scheduler.running and batch[1] in eng.scheduler.waiting  # the latest batch one gave way
+    assert batch[0] in eng.scheduler.running and eng.scheduler.num_preemptions == 1
+    eng.run_until_done()
+    assert [s.output_ids for s in batch + [urgent]] == alone
+    assert eng.pool.num_used == 0

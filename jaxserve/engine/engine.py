@@ -41,7 +41,7 @@ from jaxserve.checkpoint.load import load_model
 from jaxserve.config import EngineConfig
 from jaxserve.engine.pages import PagePool, kv_bytes_per_page, pages_for_budget
 from jaxserve.engine.runner import ModelRunner, ScheduledItem, StepResult, enable_compilation_cache
-from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
+from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, by_priority
 from jaxserve.engine.sequence import InvalidRequest, SamplingParams, Sequence, Status, TokenEvent
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -87,7 +87,7 @@ class Engine:
             max_prefill_seqs=max(self.runner.prefill_batches),
             max_prefill_chunk=min(max_chunk, budget),
             max_prefill_tokens=budget,
-            watermark_pages=max(1, num_pages // 100)), self.pool)
+            watermark_pages=max(1, num_pages // 100)), self.pool, order_key=by_priority)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_cfg.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}

@@ -15,7 +15,9 @@ of work exist the scheduler alternates, so a long prompt arriving never stalls t
 streams already running for more than one chunk. When a decode step needs a page
 and none is free, the sequence that `order_key` ranks last is preempted by
 recompute: its pages are freed and it goes back to waiting with its output so far,
-to be prefilled again later.
+to be prefilled again later. When every batch slot is taken and a waiting sequence
+is more urgent than a running one (a lower priority value), the running one ranked
+last is preempted the same way to free its slot, at most `max_preemptions` times.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ def fcfs(seq: Sequence):
     return seq.arrival
 
 
+def by_priority(seq: Sequence):
+    """Lower priority values first (as vLLM), then first come, first served."""
+    return seq.priority, seq.arrival
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -40,6 +47,7 @@ class SchedulerConfig:
     max_prefill_chunk: int  # tokens of one sequence in one prefill step
     max_prefill_tokens: int  # rows x padded length of one prefill step
     watermark_pages: int = 1  # pages kept free at admission, so running sequences can grow
+    max_preemptions: int = 3  # a sequence preempted this often is not chosen for a slot again
 
 
 @dataclasses.dataclass
@@ -92,8 +100,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         decoding = [s for s in self.running if s.num_uncomputed == 1]
-        prefill_ready = len(decoding) < len(self.running) or (
-            self.waiting and len(self.running) < self.cfg.max_num_seqs)
+        prefill_ready = len(decoding) < len(self.running) or (self.waiting and (
+            len(self.running) < self.cfg.max_num_seqs or self._urgent_waiting()))
         if prefill_ready and not (self._last_was_prefill and decoding):
             batch = self._schedule_prefill()
             if batch.items:
@@ -128,7 +136,7 @@ class Scheduler:
         # Then new (or preempted) sequences, while slots, pages and budget allow.
         admitted = []
         for seq in sorted(self.waiting, key=self.order_key):
-            if len(self.running) + len(admitted) >= cfg.max_num_seqs:
+            if len(self.running) + len(admitted) >= cfg.max_num_seqs and not self._free_slot_for(seq, items):
                 break
             length = min(seq.num_uncomputed, cfg.max_prefill_chunk)
             if not fits(length):
@@ -146,6 +154,23 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
         return ScheduledBatch(items=items, decode=False, preempted=[])
+
+    def _urgent_waiting(self) -> bool:
+        """A waiting sequence is more urgent than some running one that may still be preempted."""
+        preemptable = [s.priority for s in self.running if s.num_preemptions < self.cfg.max_preemptions]
+        return bool(preemptable) and min(s.priority for s in self.waiting) < max(preemptable)
+
+    def _free_slot_for(self, seq: Sequence, items: list[ScheduledItem]) -> bool:
+        """All slots are taken: preempt the running sequence ranked last if `seq` is more urgent
+        (a lower priority value; arrival order alone never preempts) and the victim is neither
+        in this step nor already preempted max_preemptions times."""
+        busy = {id(it.seq) for it in items}
+        victims = [s for s in self.running if id(s) not in busy and s.num_preemptions < self.cfg.max_preemptions]
+        victim = max(victims, key=self.order_key, default=None)
+        if victim is None or not seq.priority < victim.priority:
+            return False
+        self.preempt(victim)
+        return True
 
     def _schedule_decode(self) -> ScheduledBatch:
         preempted: list[Sequence] = []
