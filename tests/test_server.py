@@ -263,6 +263,7 @@ BAD = [
     ("presence-penalty-range", "/v1/chat/completions", {"messages": QUESTION, "presence_penalty": 3}, 400,
      "presence_penalty"),
     ("too-long-for-context", "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 600}, 400, "messages"),
+    ("priority-string", "/v1/chat/completions", {"messages": QUESTION, "priority": "high"}, 400, "priority"),
     ("prompt-missing", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("prompt-empty-list", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("prompt-mixed-list", "/v1/completions", {"prompt": ["a", 1]}, 400, "prompt"),
@@ -375,3 +376,9 @@ def test_body_over_the_limit_is_413(guarded):
     chunks = (b'{"messages": [{"role": "user", "content": "' + b"y" * 1000 for _ in range(6))
     r = httpx.post(f"{guarded.url}/v1/chat/completions", headers=auth, content=chunks)
     _error(r, 413)
+
+
+def test_priority_field_is_accepted(client, model):
+    a = chat(client, model, QUESTION, max_tokens=6, temperature=0, extra_body={"priority": -5})
+    b = chat(client, model, QUESTION, max_tokens=6, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content

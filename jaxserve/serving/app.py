@@ -68,6 +68,7 @@ class Choice:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    priority: int = 0  # lower is more urgent
 
 
 @dataclasses.dataclass
@@ -90,7 +91,8 @@ async def run_choices(runner: AsyncEngine, choices: list[Choice], rid: str
 
     async def pump(c: Choice):
         try:
-            async for ev in runner.generate(c.prompt_ids, c.params, request_id=f"{rid}-{c.index}"):
+            async for ev in runner.generate(c.prompt_ids, c.params, request_id=f"{rid}-{c.index}",
+                                            priority=c.priority):
                 queue.put_nowait((c.index, ev))
         except Exception as e:  # an invalid request or an engine error ends this choice only
             queue.put_nowait((c.index, e))
@@ -161,7 +163,7 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest) -> tuple[list[Ch
         except InvalidRequest as e:
             code = "context_length_exceeded" if "context length" in str(e) or "KV cache" in str(e) else None
             raise P.bad(str(e), param=param, code=code) from None
-        choices.extend(Choice(pi * req.n + j, pi, ids, params[j]) for j in range(req.n))
+        choices.extend(Choice(pi * req.n + j, pi, ids, params[j], req.priority) for j in range(req.n))
     return choices, [len(ids) for ids in prompts]
 
 

@@ -183,6 +183,7 @@ class GenerationRequest:
     sampling: dict  # SamplingParams keyword arguments other than max_tokens and seed
     seed: int | None
     user: str | None
+    priority: int = 0  # lower is more urgent (vLLM's convention); may preempt a less urgent one
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """Choice i of n draws with seed + i, so n seeded choices differ yet each is reproducible."""
@@ -229,7 +230,8 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
     user = body.get("user") if isinstance(body.get("user"), str) else None
     return GenerationRequest(chat=chat, model=model, messages=messages, prompts=prompts, stream=stream,
                              include_usage=include_usage, n=n, max_tokens=max_tokens, logprobs=logprobs,
-                             sampling=sampling, seed=seed, user=user)
+                             sampling=sampling, seed=seed, user=user,
+                             priority=_field(body, "priority", int, 0, lo=-(2**31), hi=2**31 - 1))
 
 
 # Responses -------------------------------------------------------------------------------
