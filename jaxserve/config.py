@@ -197,6 +197,7 @@ class EngineConfig:
     # largest bucket. A small budget prefills long prompts in chunks that alternate with
     # decode steps, so running streams keep flowing (shorter ITL, longer TTFT).
     prefill_token_budget: int | None = None
+    default_timeout_s: float | None = None  # deadline of a request that sets none, from its arrival
     dtype: str = "float32"
     attention_impl: str = "auto"  # auto | pallas | xla: auto is Pallas on a GPU, XLA elsewhere
     matmul_impl: str = "auto"  # the same, for int8/int4 weights (float weights always use XLA)
@@ -219,6 +220,8 @@ class EngineConfig:
                               f"{self.max_num_seqs}")
         if self.context_buckets[-1] < self.max_model_len:
             raise ConfigError(f"largest context bucket {self.context_buckets[-1]} < max_model_len {self.max_model_len}")
+        if self.default_timeout_s is not None and not self.default_timeout_s > 0:
+            raise ConfigError(f"default_timeout_s must be > 0, got {self.default_timeout_s}")
         if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
             raise ConfigError(f"prefill_token_budget must be >= 1, got {self.prefill_token_budget}")
         if self.num_pages is not None and self.num_pages < 1:

@@ -254,3 +254,30 @@ def test_interactive_request_preempts_a_batch_one_when_slots_are_full(tiny_model
     eng.run_until_done()
     assert [s.output_ids for s in batch + [urgent]] == alone
     assert eng.pool.num_used == 0
+
+
+def test_deadlines_end_requests_wherever_they_are(tiny_model_dir):
+    """A request already past its deadline is ended while waiting; a decoding one is ended once
+    its deadline passes (moved into the past here instead of sleeping); each gets a finished
+    event with reason "timeout", its pages come back, and the others run on untouched."""
+    import time
+
+    opts = dict(max_num_seqs=4, decode_batch_buckets=(1, 4), context_buckets=(128,), max_model_len=128,
+                prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
+    eng = Engine(tiny_model_dir, EngineConfig(**opts))
+    rng = random.Random(13)
+    prompts = [[rng.randrange(3, 49152) for _ in range(10)] for _ in range(3)]
+    late = eng.add_request(prompts[0], SamplingParams(max_tokens=8, temperature=0), timeout=1e-9)
+    slow = eng.add_request(prompts[1], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True), timeout=3600)
+    other = eng.add_request(prompts[2], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    events = eng.step()
+    assert [(e.request_id, e.finish_reason) for e in events if e.finished] == [(late.request_id, "timeout")]
+    assert late.output_ids == [] and late not in eng.scheduler.waiting
+    while len(slow.output_ids) < 3:
+        eng.step()
+    slow.deadline = time.monotonic() - 1
+    ended = [e for e in eng.step() if e.request_id == slow.request_id]
+    assert ended[0].finished and ended[0].finish_reason == "timeout" and slow not in eng.scheduler.running
+    eng.run_until_done()
+    assert other.finish_reason == "length" and len(other.output_ids) == 12
+    assert eng.pool.num_used == 0

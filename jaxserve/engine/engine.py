@@ -98,7 +98,8 @@ class Engine:
     # Requests -----------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> Sequence:
+                    request_id: str | None = None, priority: int = 0, timeout: float | None = None) -> Sequence:
+        """Queue a request; `timeout` (seconds from now, else the config's default) is its deadline."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._seqs:
@@ -106,6 +107,8 @@ class Engine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(ids, params.max_tokens)
         seq = Sequence(request_id, ids, params, priority=priority)
+        timeout = self.config.default_timeout_s if timeout is None else timeout
+        seq.deadline = None if timeout is None else seq.arrival + timeout
         seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq.seed &= 0xFFFFFFFF
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
@@ -159,10 +162,23 @@ class Engine:
 
     # The loop body --------------------------------------------------------------------
 
+    def expire(self, now: float | None = None) -> list[TokenEvent]:
+        """End every request past its deadline, wherever it is (waiting, prefilling, decoding)."""
+        now = time.monotonic() if now is None else now
+        late = [s for s in self._seqs.values() if s.deadline is not None and s.deadline <= now]
+        for seq in late:
+            self.scheduler.finish(seq, "timeout")
+            self._seqs.pop(seq.request_id, None)
+        return [self._event(seq, [], "", None) for seq in late]
+
     def step(self) -> list[TokenEvent]:
+        expired = self.expire()
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            return expired
+        return expired + self._run(batch)
+
+    def _run(self, batch) -> list[TokenEvent]:
         try:
             result = self.runner.run(batch.items, batch.decode)
         except Exception as e:  # a failed device step ends the requests in it, and only them
@@ -302,13 +318,14 @@ class AsyncEngine:
             self._cv.notify()
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[TokenEvent]:
+                       request_id: str | None = None, priority: int = 0,
+                       timeout: float | None = None) -> AsyncIterator[TokenEvent]:
         """Submit a request and iterate over its events; leaving the iteration early aborts it."""
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, queue)
-        self._post(("add", request_id, prompt, params, priority))
+        self._post(("add", request_id, prompt, params, priority, timeout))
         finished = False
         try:
             while True:
@@ -350,9 +367,9 @@ class AsyncEngine:
                 inbox, self._inbox = self._inbox, []
             for item in inbox:
                 if item[0] == "add":
-                    _, rid, prompt, params, priority = item
+                    _, rid, prompt, params, priority, timeout = item
                     try:
-                        eng.add_request(prompt, params, request_id=rid, priority=priority)
+                        eng.add_request(prompt, params, request_id=rid, priority=priority, timeout=timeout)
                     except Exception as e:  # invalid request: its caller gets the exception
                         self._deliver(rid, e)
                 else:

@@ -73,7 +73,7 @@ class TokenEvent:
     token_ids: list[int]
     text: str
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "timeout"
     logprobs: list[dict] | None = None  # per token: {"token_id", "logprob", "top": [(id, logprob), ...]}
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -107,6 +107,7 @@ class Sequence:
         self.emitted_chars = 0  # how much of output_text has been sent in events
         self.detokenizer = None  # set by the engine
         self.seed = 0  # set by the engine: the request's seed, or one it drew
+        self.deadline: float | None = None  # time.monotonic() past which the request is ended
 
     @property
     def tokens(self) -> list[int]:
