@@ -264,6 +264,7 @@ BAD = [
      "presence_penalty"),
     ("too-long-for-context", "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 600}, 400, "messages"),
     ("priority-string", "/v1/chat/completions", {"messages": QUESTION, "priority": "high"}, 400, "priority"),
+    ("timeout-negative", "/v1/chat/completions", {"messages": QUESTION, "timeout": -1}, 400, "timeout"),
     ("prompt-missing", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("prompt-empty-list", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("prompt-mixed-list", "/v1/completions", {"prompt": ["a", 1]}, 400, "prompt"),
@@ -382,3 +383,23 @@ def test_priority_field_is_accepted(client, model):
     a = chat(client, model, QUESTION, max_tokens=6, temperature=0, extra_body={"priority": -5})
     b = chat(client, model, QUESTION, max_tokens=6, temperature=0)
     assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_deadline_ends_a_stream_with_timeout_and_an_empty_answer_with_504(server, model):
+    body = {"model": model, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "timeout": 0.5}
+    finish, chunks = None, 0
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                choice = json.loads(line[5:])["choices"][0]
+                chunks += bool(choice["delta"].get("content"))
+                finish = choice["finish_reason"] or finish
+    assert finish == "timeout" and chunks < 400
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": model, "messages": QUESTION, "timeout": 1e-6})
+    assert r.status_code == 504, r.text
+    assert r.json()["error"]["type"] == "timeout_error" and r.json()["error"]["param"] == "timeout"
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": model, "messages": QUESTION},
+                   headers={"X-Request-Timeout": "soon"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Timeout"
+    assert server.stats()["running"] == 0 and server.stats()["pages_used"] == 0

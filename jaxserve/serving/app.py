@@ -69,6 +69,7 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int = 0  # lower is more urgent
+    timeout: float | None = None  # seconds
 
 
 @dataclasses.dataclass
@@ -92,7 +93,7 @@ async def run_choices(runner: AsyncEngine, choices: list[Choice], rid: str
     async def pump(c: Choice):
         try:
             async for ev in runner.generate(c.prompt_ids, c.params, request_id=f"{rid}-{c.index}",
-                                            priority=c.priority):
+                                            priority=c.priority, timeout=c.timeout):
                 queue.put_nowait((c.index, ev))
         except Exception as e:  # an invalid request or an engine error ends this choice only
             queue.put_nowait((c.index, e))
@@ -163,7 +164,7 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest) -> tuple[list[Ch
         except InvalidRequest as e:
             code = "context_length_exceeded" if "context length" in str(e) or "KV cache" in str(e) else None
             raise P.bad(str(e), param=param, code=code) from None
-        choices.extend(Choice(pi * req.n + j, pi, ids, params[j], req.priority) for j in range(req.n))
+        choices.extend(Choice(pi * req.n + j, pi, ids, params[j], req.priority, req.timeout) for j in range(req.n))
     return choices, [len(ids) for ids in prompts]
 
 
@@ -232,6 +233,9 @@ class Responder:
             r.logprobs.extend(item.logprobs or [])
             if item.finished:
                 r.finish_reason = item.finish_reason
+        if all(r.finish_reason == "timeout" and not r.completion_tokens for r in results.values()):
+            raise APIError(504, f"the request timed out after {self.req.timeout} s before it produced a token",
+                           param="timeout", code="timeout", type="timeout_error")
         use = P.usage(self.prompt_tokens, sum(r.completion_tokens for r in results.values()))
         if self.req.chat:
             out = [P.chat_choice(i, r.text, r.finish_reason, self._logprobs(r.logprobs)) for i, r in results.items()]
@@ -239,6 +243,20 @@ class Responder:
         out = [P.completion_choice(i, r.text, r.finish_reason, self._logprobs(r.logprobs))
                for i, r in results.items()]
         return P.completion_response(self.rid, self.served.name, out, use)
+
+
+def _with_header_timeout(req: P.GenerationRequest, header: str | None) -> P.GenerationRequest:
+    """`X-Request-Timeout: SECONDS` sets the deadline when the body does not."""
+    if header is None or req.timeout is not None:
+        return req
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise APIError(400, f"X-Request-Timeout must be a number of seconds > 0, got {header[:40]!r}",
+                       param="X-Request-Timeout", code="invalid_value")
+    return dataclasses.replace(req, timeout=seconds)
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -304,6 +322,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
     async def generation(request: Request, rid: str, chat: bool):
         body = P.parse_json(await read_body(request, cfg.max_body_bytes))
         req = P.parse_generation(body, chat=chat, max_n=cfg.max_n)
+        req = _with_header_timeout(req, request.headers.get("x-request-timeout"))
         served = registry.get(req.model)
         choices, prompt_lens = plan_choices(served, req)
         responder = Responder(served, req, rid, prompt_lens)

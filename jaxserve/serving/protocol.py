@@ -184,6 +184,7 @@ class GenerationRequest:
     seed: int | None
     user: str | None
     priority: int = 0  # lower is more urgent (vLLM's convention); may preempt a less urgent one
+    timeout: float | None = None  # seconds from arrival; past it the request is ended
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """Choice i of n draws with seed + i, so n seeded choices differ yet each is reproducible."""
@@ -231,7 +232,8 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
     return GenerationRequest(chat=chat, model=model, messages=messages, prompts=prompts, stream=stream,
                              include_usage=include_usage, n=n, max_tokens=max_tokens, logprobs=logprobs,
                              sampling=sampling, seed=seed, user=user,
-                             priority=_field(body, "priority", int, 0, lo=-(2**31), hi=2**31 - 1))
+                             priority=_field(body, "priority", int, 0, lo=-(2**31), hi=2**31 - 1),
+                             timeout=_field(body, "timeout", float, None, lo=0, lo_open=True))
 
 
 # Responses -------------------------------------------------------------------------------
