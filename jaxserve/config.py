@@ -262,6 +262,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 2**20
     max_n: int = 8
+    max_tokens_limit: int | None = None  # the most max_tokens a request may ask for (and the default cap)
     models: tuple[ModelSpec, ...] = ()
 
     def __post_init__(self):
@@ -272,6 +273,8 @@ class ServerConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ConfigError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         if self.max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
         if any(not k for k in self.api_keys):

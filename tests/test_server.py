@@ -323,7 +323,8 @@ def test_terminal_chat_client_keeps_the_conversation(server, client, model):
 
 # --- A second server: two served names, API keys, a small body limit ---------------------
 
-GUARDED = CONFIG.replace("max_n = 4", "max_n = 4\napi_keys = [\"key-one\", \"key-two\"]\nmax_body_bytes = 4096")
+GUARDED = CONFIG.replace("max_n = 4", "max_n = 4\napi_keys = [\"key-one\", \"key-two\"]\nmax_body_bytes = 4096\n"
+                                      "max_tokens_limit = 40")
 
 
 @pytest.fixture(scope="module")
@@ -403,3 +404,12 @@ def test_deadline_ends_a_stream_with_timeout_and_an_empty_answer_with_504(server
                    headers={"X-Request-Timeout": "soon"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Timeout"
     assert server.stats()["running"] == 0 and server.stats()["pages_used"] == 0
+
+
+def test_server_caps_max_tokens(guarded):
+    auth = {"Authorization": "Bearer key-one"}
+    url = f"{guarded.url}/v1/chat/completions"
+    err = _error(httpx.post(url, headers=auth, json={"model": "alpha", "messages": QUESTION, "max_tokens": 41}), 400)
+    assert err["param"] == "max_tokens" and "at most 40" in err["message"]
+    r = httpx.post(url, headers=auth, timeout=120, json={"model": "alpha", "messages": QUESTION, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40  # the cap is also the default

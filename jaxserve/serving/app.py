@@ -137,8 +137,12 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def plan_choices(served: ServedModel, req: P.GenerationRequest) -> tuple[list[Choice], list[int]]:
+def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit: int | None = None
+                 ) -> tuple[list[Choice], list[int]]:
     """Tokenize the prompts, resolve max_tokens, check each prompt fits: (choices, prompt lengths)."""
+    if max_tokens_limit is not None and req.max_tokens is not None and req.max_tokens > max_tokens_limit:
+        raise P.bad(f"max_tokens is {req.max_tokens}; this server allows at most {max_tokens_limit}",
+                    param="max_tokens", code="invalid_value")
     engine, tok = served.engine, served.engine.tokenizer
     if req.chat:
         try:
@@ -154,6 +158,8 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest) -> tuple[list[Ch
         max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = limit - len(ids)
+            if max_tokens_limit is not None:
+                max_tokens = min(max_tokens, max_tokens_limit)
             if max_tokens < 1:
                 raise P.bad(f"this model's maximum context length is {limit} tokens and the prompt has "
                             f"{len(ids)} tokens, which leaves no room to generate", param=param,
@@ -324,7 +330,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         req = P.parse_generation(body, chat=chat, max_n=cfg.max_n)
         req = _with_header_timeout(req, request.headers.get("x-request-timeout"))
         served = registry.get(req.model)
-        choices, prompt_lens = plan_choices(served, req)
+        choices, prompt_lens = plan_choices(served, req, cfg.max_tokens_limit)
         responder = Responder(served, req, rid, prompt_lens)
         if req.stream:
             return EventSourceResponse(responder.stream(choices), ping=15)
