@@ -18,15 +18,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-NEG = -1e30
+from pallas_kernels.paged_attention.common import initial_carry, load_page, normalised, online_softmax_step, whole
 
-
-def _kernel(ctx_ref, layer_ref, bt_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, page_size, scale, soft_cap, window,
-            quantized):
-    if quantized:
-        ks_ref, vs_ref, o_ref = rest
-    else:
-        (o_ref,) = rest
+def _kernel(ctx_ref, layer_ref, bt_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, page_size, scale, soft_cap, window):
+    *scale_refs, o_ref = rest
     b, h = pl.program_id(0), pl.program_id(1)
     ctx = ctx_ref[b]
     layer = layer_ref[0]
@@ -38,35 +33,17 @@ def _kernel(ctx_ref, layer_ref, bt_ref, qpos_ref, q_ref, k_ref, v_ref, *rest, pa
     first = 0 if window is None else jnp.maximum(jnp.min(qpos) - window + 1, 0) // page_size
 
     def body(i, carry):
-        m, l, acc = carry
-        page = bt_ref[b, i]
-        k = k_ref[layer, page, :, h, :].astype(jnp.float32)  # [PS, D]
-        v = v_ref[layer, page, :, h, :].astype(jnp.float32)
-        if quantized:
-            k = k * ks_ref[layer, page, :, h][:, None]
-            v = v * vs_ref[layer, page, :, h][:, None]
+        k, v = load_page(k_ref, v_ref, scale_refs, layer, bt_ref[b, i], h)  # [PS, D]
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [M, PS]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
         pos = i * page_size + jax.lax.broadcasted_iota(jnp.int32, (M, page_size), 1)
         visible = (pos <= qpos[:, None]) & (pos < ctx)
         if window is not None:
             visible &= pos > qpos[:, None] - window
-        s = jnp.where(visible, s, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        l = l * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[:, None] + jnp.dot(p, v, preferred_element_type=jnp.float32)
-        return m_new, l, acc
+        return online_softmax_step(carry, s, visible, soft_cap,
+                                   lambda p: jnp.dot(p, v, preferred_element_type=jnp.float32))
 
-    init = (jnp.full((M,), NEG, jnp.float32), jnp.zeros((M,), jnp.float32), jnp.zeros((M, D), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(first, n_pages, body, init)
-    o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
-
-
-def _whole(x):
-    return pl.BlockSpec(x.shape, lambda *_, n=x.ndim: (0,) * n)
+    _, l, acc = jax.lax.fori_loop(first, n_pages, body, initial_carry(M, D))
+    o_ref[...] = normalised(l, acc, o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "block_q", "interpret"))
@@ -93,12 +70,12 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, q_p
     ctx = context_lens.astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
     args = [ctx, layer, block_tables, qpos, qg, k_cache, v_cache] + ([k_scales, v_scales] if quantized else [])
-    in_specs = [_whole(ctx), _whole(layer), _whole(block_tables),
+    in_specs = [whole(ctx), whole(layer), whole(block_tables),
                 pl.BlockSpec((None, M), lambda b, h, t: (b, t)),
                 pl.BlockSpec((None, None, M, D), lambda b, h, t: (b, h, t, 0)),
-                _whole(k_cache), _whole(v_cache)] + ([_whole(k_scales), _whole(v_scales)] if quantized else [])
+                whole(k_cache), whole(v_cache)] + ([whole(k_scales), whole(v_scales)] if quantized else [])
     kernel = functools.partial(_kernel, page_size=PS, scale=D ** -0.5 if scale is None else scale,
-                               soft_cap=soft_cap, window=sliding_window, quantized=quantized)
+                               soft_cap=soft_cap, window=sliding_window)
     out = pl.pallas_call(
         kernel,
         grid=(B, K, Tp // BQ),
