@@ -283,13 +283,18 @@ def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict
             "finish_reason": finish_reason}
 
 
-def chat_chunk(rid: str, model: str, created: int, choices: list[dict], include_usage: bool,
-               use: dict | None = None) -> dict:
-    out = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model,
-           "choices": choices}
+def _chunk(id_: str, obj: str, model: str, created: int, choices: list[dict], include_usage: bool,
+           use: dict | None) -> dict:
+    """A streamed chunk; with include_usage every chunk has `usage` (null but on the last)."""
+    out = {"id": id_, "object": obj, "created": created, "model": model, "choices": choices}
     if include_usage:
         out["usage"] = use
     return out
+
+
+def chat_chunk(rid: str, model: str, created: int, choices: list[dict], include_usage: bool,
+               use: dict | None = None) -> dict:
+    return _chunk(f"chatcmpl-{rid}", "chat.completion.chunk", model, created, choices, include_usage, use)
 
 
 def chat_delta(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
@@ -307,8 +312,4 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 
 def completion_chunk(rid: str, model: str, created: int, choices: list[dict], include_usage: bool,
                      use: dict | None = None) -> dict:
-    out = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
-           "choices": choices}
-    if include_usage:
-        out["usage"] = use
-    return out
+    return _chunk(f"cmpl-{rid}", "text_completion", model, created, choices, include_usage, use)
