@@ -198,6 +198,12 @@ class EngineConfig:
     # decode steps, so running streams keep flowing (shorter ITL, longer TTFT).
     prefill_token_budget: int | None = None
     default_timeout_s: float | None = None  # deadline of a request that sets none, from its arrival
+    # Preemption (see engine/scheduler.py): recompute | swap | auto, the host swap space
+    # for swapped KV pages, and the computed length from which auto mode swaps.
+    preemption_mode: str = "recompute"
+    swap_space_gib: float = 0.0
+    swap_min_tokens: int = 256
+    max_preemptions: int = 3  # a sequence preempted this often keeps its slot from then on
     dtype: str = "float32"
     attention_impl: str = "auto"  # auto | pallas | xla: auto is Pallas on a GPU, XLA elsewhere
     matmul_impl: str = "auto"  # the same, for int8/int4 weights (float weights always use XLA)
@@ -230,6 +236,10 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}")
         if self.kv_cache_memory_gib <= 0:
             raise ConfigError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ConfigError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
+        if self.swap_space_gib < 0 or self.swap_min_tokens < 0 or self.max_preemptions < 0:
+            raise ConfigError("swap_space_gib, swap_min_tokens and max_preemptions must be >= 0")
         for name in ("attention_impl", "matmul_impl"):
             if getattr(self, name) not in ("auto", "pallas", "xla"):
                 raise ConfigError(f"{name} must be auto, pallas or xla, got {getattr(self, name)!r}")

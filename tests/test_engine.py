@@ -149,21 +149,26 @@ def test_invalid_requests_are_refused_clearly(engine):
     assert not engine.has_unfinished
 
 
-def test_small_page_pool_completes_everything(tiny_model_dir):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_small_page_pool_completes_everything(tiny_model_dir, mode):
     """12 pages of 16 tokens cannot hold eight 40-70 token requests at once: the scheduler waits
-    and preempts by recompute, and each greedy output equals the one from an ample pool."""
+    and preempts (by recompute, or by swapping pages to host memory and back), and each greedy
+    output equals the one from an ample pool that never preempts."""
     opts = dict(max_num_seqs=8, decode_batch_buckets=(1, 8), context_buckets=(128,), max_model_len=128,
                 prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(10, 40))] for _ in range(8)]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    ample = LLM(tiny_model_dir, **opts).generate(prompts, params)
-    small = LLM(tiny_model_dir, num_pages=12, **opts)
+    ample = LLM(tiny_model_dir, **opts)
+    expected = ample.generate(prompts, params)
+    assert ample.engine.scheduler.num_preemptions == 0
+    small = LLM(tiny_model_dir, num_pages=12, preemption_mode=mode, swap_space_gib=0.01, **opts)
     outs = small.generate(prompts, params)
-    assert small.engine.scheduler.num_preemptions > 0
+    sched = small.engine.scheduler
+    assert sched.preemptions[mode] > 0 and sched.num_preemptions == sched.preemptions[mode]
     assert [o.finish_reason for o in outs] == ["length"] * 8
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ample]
-    assert small.engine.pool.num_used == 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert small.engine.pool.num_used == 0 and sched.swap_used == 0 and not sched.swapped
 
 
 def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
@@ -231,12 +236,15 @@ def test_prefill_token_budget_chunks_long_prompts_between_decode_steps(tiny_mode
     assert all(steps[i + 1][0] == "decode" for i in prefills[:-1])  # the stream kept flowing
 
 
-def test_interactive_request_preempts_a_batch_one_when_slots_are_full(tiny_model_dir):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_interactive_request_preempts_a_batch_one_when_slots_are_full(tiny_model_dir, mode):
     """max_num_seqs = 2, both slots decoding batch requests (priority 10): an interactive request
     (priority 0) preempts the latest batch one at once, runs, and every greedy output equals
-    the output of the same request run alone (the preempted one is recomputed)."""
+    the output of the same request run alone (the preempted one recomputed, or swapped out
+    to host memory and back)."""
     opts = dict(max_num_seqs=2, decode_batch_buckets=(1, 2), context_buckets=(128,), max_model_len=128,
-                prefill_length_buckets=(32,), prefill_batch_buckets=(1,), compilation_cache_dir=None)
+                prefill_length_buckets=(32,), prefill_batch_buckets=(1,), compilation_cache_dir=None,
+                preemption_mode=mode, swap_space_gib=0.01)
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 49152) for _ in range(12)] for _ in range(3)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -249,8 +257,10 @@ def test_interactive_request_preempts_a_batch_one_when_slots_are_full(tiny_model
     assert eng.num_running == 2 and all(len(s.output_ids) >= 1 for s in batch)
     urgent = eng.add_request(prompts[2], params, priority=0)
     eng.step()
-    assert urgent in eng.scheduler.running and batch[1] in eng.scheduler.waiting  # the latest batch one gave way
-    assert batch[0] in eng.scheduler.running and eng.scheduler.num_preemptions == 1
+    parked = eng.scheduler.waiting if mode == "recompute" else eng.scheduler.swapped
+    assert urgent in eng.scheduler.running and batch[1] in parked  # the latest batch one gave way
+    assert batch[0] in eng.scheduler.running and eng.scheduler.preemptions == {mode: 1, **{
+        m: 0 for m in ("recompute", "swap") if m != mode}}
     eng.run_until_done()
     assert [s.output_ids for s in batch + [urgent]] == alone
     assert eng.pool.num_used == 0

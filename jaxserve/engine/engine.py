@@ -71,10 +71,9 @@ class Engine:
         self.tokenizer = Tokenizer(model_dir)
         self.model_cfg, params = load_model(model_dir, dtype=config.dtype)
         max_len = min(config.max_model_len, self.model_cfg.max_position_embeddings)
-        num_pages = config.num_pages or pages_for_budget(
-            kv_budget_bytes(config),
-            kv_bytes_per_page(self.model_cfg.num_layers, config.page_size, self.model_cfg.num_kv_heads,
-                              self.model_cfg.head_dim, 4 if config.dtype == "float32" else 2))
+        page_bytes = kv_bytes_per_page(self.model_cfg.num_layers, config.page_size, self.model_cfg.num_kv_heads,
+                                       self.model_cfg.head_dim, 4 if config.dtype == "float32" else 2)
+        num_pages = config.num_pages or pages_for_budget(kv_budget_bytes(config), page_bytes)
         if num_pages < 1:
             raise ValueError("the KV cache budget holds no page; raise kv_cache_memory_gib")
         self.config = dataclasses.replace(config, max_model_len=max_len)
@@ -87,13 +86,24 @@ class Engine:
             max_prefill_seqs=max(self.runner.prefill_batches),
             max_prefill_chunk=min(max_chunk, budget),
             max_prefill_tokens=budget,
-            watermark_pages=max(1, num_pages // 100)), self.pool, order_key=by_priority)
+            watermark_pages=max(1, num_pages // 100),
+            max_preemptions=self.config.max_preemptions,
+            preemption_mode=self.config.preemption_mode,
+            swap_pages=self.swap_pages_for(config, page_bytes),
+            swap_min_tokens=self.config.swap_min_tokens), self.pool, order_key=by_priority)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_cfg.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}
         self.compile_seconds = self.runner.warmup() if warmup else 0.0
         log.info("engine ready: %d pages of %d tokens, max_model_len %d, max_num_seqs %d",
                  num_pages, config.page_size, max_len, self.config.max_num_seqs)
+
+    @staticmethod
+    def swap_pages_for(config: EngineConfig, page_bytes: int) -> int:
+        """Host swap space in pages; 0 (recompute only) unless a swapping mode is chosen."""
+        if config.preemption_mode == "recompute":
+            return 0
+        return pages_for_budget(int(config.swap_space_gib * 2**30), page_bytes)
 
     # Requests -----------------------------------------------------------------------
 
@@ -178,16 +188,30 @@ class Engine:
             return expired
         return expired + self._run(batch)
 
+    def _swap(self, batch) -> None:
+        """The batch's host copies: pages of swapped-out sequences first (their pages may be
+        handed to someone else in this very batch), then swapped-in sequences' data back."""
+        for seq, pages in batch.swap_out:
+            seq.swap_data = self.runner.copy_out(pages)
+        for seq in batch.swap_in:
+            self.runner.copy_in(seq.pages[:seq.swap_pages], seq.swap_data)  # it may have grown since
+            seq.swap_data = None
+            seq.swap_pages = 0
+
     def _run(self, batch) -> list[TokenEvent]:
         try:
+            self._swap(batch)
+            if not batch.items:
+                return []
             result = self.runner.run(batch.items, batch.decode)
         except Exception as e:  # a failed device step ends the requests in it, and only them
-            log.exception("step failed; finishing %d request(s) with an error", len(batch.items))
+            seqs = list({id(s): s for s in [it.seq for it in batch.items] + batch.swap_in}.values())
+            log.exception("step failed; finishing %d request(s) with an error", len(seqs))
             events = []
-            for it in batch.items:
-                self.scheduler.finish(it.seq, "error")
-                self._seqs.pop(it.seq.request_id, None)
-                events.append(self._event(it.seq, [], "", None, error=f"{type(e).__name__}: {e}"))
+            for seq in seqs:
+                self.scheduler.finish(seq, "error")
+                self._seqs.pop(seq.request_id, None)
+                events.append(self._event(seq, [], "", None, error=f"{type(e).__name__}: {e}"))
             return events
         return self.postprocess(batch.items, result)
 

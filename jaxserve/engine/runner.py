@@ -113,6 +113,15 @@ class ModelRunner:
         self.kv_cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         self._jitted = jax.jit(self._step, donate_argnums=(1,))
         self._executables: dict[tuple[int, int, int], object] = {}
+        # Swap copies move whole pages; their page counts are padded to powers of two.
+        self.swap_enabled = cfg.preemption_mode != "recompute" and cfg.swap_space_gib > 0
+        self.swap_buckets = tuple(sorted({min(2**i, self.max_pages_per_seq)
+                                          for i in range(self.max_pages_per_seq.bit_length() + 1)}))
+        self._gather = jax.jit(lambda kv, ids: jax.tree.map(lambda c: c[:, ids], kv))
+        self._scatter = jax.jit(
+            lambda kv, ids, data: jax.tree.map(lambda c, d: c.at[:, ids].set(d, mode="drop"), kv, data),
+            donate_argnums=(0,))
+        self._copy_executables: dict[tuple[str, int], object] = {}
         self.compile_seconds = 0.0
 
     # The jitted step --------------------------------------------------------------------
@@ -168,9 +177,47 @@ class ModelRunner:
             t0 = time.perf_counter()
             self._executables[key] = self._jitted.lower(*self._abstract_args(*key)).compile()
             log.info("compiled step B=%d T=%d P=%d in %.2fs", *key, time.perf_counter() - t0)
+        if self.swap_enabled:
+            for n in self.swap_buckets:
+                self._copy_executable("out", n)
+                self._copy_executable("in", n)
         self.compile_seconds = time.perf_counter() - t_all
         log.info("compiled %d step buckets in %.1fs", len(self._executables), self.compile_seconds)
         return self.compile_seconds
+
+    # Swap copies ------------------------------------------------------------------------
+
+    def _copy_executable(self, kind: str, n: int):
+        exe = self._copy_executables.get((kind, n))
+        if exe is None:
+            kv = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.kv_cache)
+            ids = jax.ShapeDtypeStruct((n,), jnp.int32)
+            if kind == "out":
+                exe = self._gather.lower(kv, ids).compile()
+            else:
+                data = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], n, *a.shape[2:]), a.dtype), kv)
+                exe = self._scatter.lower(kv, ids, data).compile()
+            self._copy_executables[(kind, n)] = exe
+        return exe
+
+    def copy_out(self, pages: list[int]):
+        """Device -> host copy of `pages` of every layer's K and V: a pytree of numpy
+        arrays [L, len(pages), page_size, kv_heads, head_dim] (the swap space's entry)."""
+        n = len(pages)
+        b = _bucket(n, self.swap_buckets)
+        ids = np.zeros(b, np.int32)
+        ids[:n] = pages
+        out = self._copy_executable("out", b)(self.kv_cache, ids)
+        return jax.tree.map(lambda a: np.asarray(a)[:, :n].copy(), out)
+
+    def copy_in(self, pages: list[int], data) -> None:
+        """Host -> device: write `data` (from `copy_out`) into `pages`, in place."""
+        n = len(pages)
+        b = _bucket(n, self.swap_buckets)
+        ids = np.full(b, self.num_pages, np.int32)  # padding rows land past the cache and are dropped
+        ids[:n] = pages
+        padded = jax.tree.map(lambda a: np.pad(a, [(0, 0), (0, b - n)] + [(0, 0)] * (a.ndim - 2)), data)
+        self.kv_cache = self._copy_executable("in", b)(self.kv_cache, ids, padded)
 
     # One step -------------------------------------------------------------------------
 

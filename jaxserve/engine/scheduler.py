@@ -13,11 +13,24 @@ Each step is either a prefill step (chunks of prompts, up to a batch and token
 budget) or a decode step (one token for every decoding sequence). When both kinds
 of work exist the scheduler alternates, so a long prompt arriving never stalls the
 streams already running for more than one chunk. When a decode step needs a page
-and none is free, the sequence that `order_key` ranks last is preempted by
-recompute: its pages are freed and it goes back to waiting with its output so far,
-to be prefilled again later. When every batch slot is taken and a waiting sequence
-is more urgent than a running one (a lower priority value), the running one ranked
-last is preempted the same way to free its slot, at most `max_preemptions` times.
+and none is free, the sequence that `order_key` ranks last is preempted. When every
+batch slot is taken and a waiting sequence is more urgent than a running one (a
+lower priority value), the running one ranked last is preempted to free its slot,
+at most `max_preemptions` times per sequence (so nothing thrashes).
+
+A preemption is one of two kinds, per `preemption_mode`:
+
+    recompute  free the pages; the sequence goes back to waiting with its tokens so
+               far and is prefilled again later (costs compute, no memory)
+    swap       its computed pages are copied to a host swap space of `swap_pages`
+               pages, then freed; on resume it gets new pages, the copy goes back and
+               it continues where it stopped (costs two copies and host memory)
+    auto       swap when the sequence has at least `swap_min_tokens` computed tokens
+               (recomputing those would take long prefill steps) and the swap space
+               has room; recompute otherwise
+
+The scheduler only decides: it lists the copies in the batch (`swap_out` before
+`swap_in`, both before the step), and the engine has the runner make them.
 """
 
 from __future__ import annotations
@@ -48,6 +61,13 @@ class SchedulerConfig:
     max_prefill_tokens: int  # rows x padded length of one prefill step
     watermark_pages: int = 1  # pages kept free at admission, so running sequences can grow
     max_preemptions: int = 3  # a sequence preempted this often is not chosen for a slot again
+    preemption_mode: str = "recompute"  # recompute | swap | auto
+    swap_pages: int = 0  # host swap space, in pages (0: recompute only)
+    swap_min_tokens: int = 256  # auto mode swaps sequences with at least this many computed tokens
+
+    def __post_init__(self):
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
 
 
 @dataclasses.dataclass
@@ -55,6 +75,10 @@ class ScheduledBatch:
     items: list[ScheduledItem]
     decode: bool
     preempted: list[Sequence]
+    # Copies the runner makes before the step, in this order: device pages -> host for each
+    # (sequence, pages) swapped out, then host -> the sequence's new pages for each swapped in.
+    swap_out: list[tuple[Sequence, list[int]]] = dataclasses.field(default_factory=list)
+    swap_in: list[Sequence] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -64,8 +88,16 @@ class Scheduler:
         self.order_key = order_key
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []  # preempted by swap: KV on the host, no device pages
+        self.swap_used = 0  # host pages held by `swapped`
+        self.preemptions = {"recompute": 0, "swap": 0}
         self._last_was_prefill = False
-        self.num_preemptions = 0
+        self._swap_out: list[tuple[Sequence, list[int]]] = []  # copies decided during this schedule()
+        self._swap_in: list[Sequence] = []
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
 
     # Queue management -----------------------------------------------------------------
 
@@ -79,26 +111,87 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self.swap_used -= seq.swap_pages
+            seq.swap_pages, seq.swap_data = 0, None
         self.pool.release(seq.pages)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute mode: drop the cache, keep the tokens, queue again."""
+        """Take a running sequence off the device, by swap or by recompute (see the module doc)."""
         self.running.remove(seq)
-        self.pool.release(seq.pages)
-        seq.num_computed = 0
+        if seq in self._swap_in:  # swapped in during this very schedule(): its host copy is still there
+            self._swap_in.remove(seq)
+            self.pool.release(seq.pages)
+            self._park(seq, seq.swap_pages)
+            return
         seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.add(seq)
+        mode = self._mode_for(seq)
+        self.preemptions[mode] += 1
+        if mode == "swap":
+            n = self.pool.pages_needed(seq.num_computed)
+            self._swap_out.append((seq, seq.pages[:n]))
+            self.pool.release(seq.pages)
+            self._park(seq, n)
+        else:
+            self.pool.release(seq.pages)
+            seq.num_computed = 0
+            self.add(seq)
+
+    def _mode_for(self, seq: Sequence) -> str:
+        mode = self.cfg.preemption_mode
+        n = self.pool.pages_needed(seq.num_computed)
+        if mode == "recompute" or n == 0 or self.swap_used + n > self.cfg.swap_pages:
+            return "recompute"
+        if mode == "auto" and seq.num_computed < self.cfg.swap_min_tokens:
+            return "recompute"
+        return "swap"
+
+    def _park(self, seq: Sequence, num_pages: int) -> None:
+        seq.status = Status.SWAPPED
+        seq.swap_pages = num_pages
+        self.swap_used += num_pages
+        self.swapped.append(seq)
+
+    def _resume_swapped(self) -> None:
+        """Give swapped sequences new pages, most urgent first, while slots and pages allow and
+        no waiting request is more urgent; the batch carries the host -> device copies."""
+        for seq in sorted(self.swapped, key=self.order_key):
+            if len(self.running) >= self.cfg.max_num_seqs:
+                return
+            if self.waiting and min(map(self.order_key, self.waiting)) < self.order_key(seq):
+                return
+            if not self.pool.can_allocate(seq.swap_pages + self.cfg.watermark_pages) and self.running:
+                return
+            if not self.pool.grow(seq.pages, seq.num_computed):
+                return
+            self.swapped.remove(seq)
+            self.swap_used -= seq.swap_pages
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self._swap_in.append(seq)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # The decision -----------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch | None:
+        """The next step's batch; None when there is nothing to run. A batch may have no items
+        and only copies (a sequence swapped itself out because the pool ran dry)."""
+        self._swap_out, self._swap_in = [], []
+        self._resume_swapped()
+        batch = self._decide()
+        if batch is None and (self._swap_out or self._swap_in):
+            batch = ScheduledBatch(items=[], decode=True, preempted=[])
+        if batch is not None:
+            batch.swap_out, batch.swap_in = self._swap_out, self._swap_in
+        return batch
+
+    def _decide(self) -> ScheduledBatch | None:
         decoding = [s for s in self.running if s.num_uncomputed == 1]
         prefill_ready = len(decoding) < len(self.running) or (self.waiting and (
             len(self.running) < self.cfg.max_num_seqs or self._urgent_waiting()))
@@ -164,7 +257,7 @@ class Scheduler:
         """All slots are taken: preempt the running sequence ranked last if `seq` is more urgent
         (a lower priority value; arrival order alone never preempts) and the victim is neither
         in this step nor already preempted max_preemptions times."""
-        busy = {id(it.seq) for it in items}
+        busy = {id(it.seq) for it in items} | {id(s) for s in self._swap_in}
         victims = [s for s in self.running if id(s) not in busy and s.num_preemptions < self.cfg.max_preemptions]
         victim = max(victims, key=self.order_key, default=None)
         if victim is None or not seq.priority < victim.priority:

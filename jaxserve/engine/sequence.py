@@ -62,6 +62,7 @@ class SamplingParams:
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap: its KV pages wait in host memory
     FINISHED = "finished"
 
 
@@ -108,6 +109,8 @@ class Sequence:
         self.detokenizer = None  # set by the engine
         self.seed = 0  # set by the engine: the request's seed, or one it drew
         self.deadline: float | None = None  # time.monotonic() past which the request is ended
+        self.swap_pages = 0  # host pages held while swapped out
+        self.swap_data = None  # the runner's host copy of those pages (opaque to the scheduler)
 
     @property
     def tokens(self) -> list[int]:

@@ -38,8 +38,10 @@ class ServedModel:
         if self.engine is None:
             return {"ready": False, "error": self.error}
         e = self.engine
-        return {"ready": True, "running": e.num_running, "waiting": e.num_waiting, "pages_used": e.pool.num_used,
-                "pages_total": e.pool.num_pages, "dead": self.runner.dead if self.runner else None}
+        sched = e.scheduler
+        return {"ready": True, "running": e.num_running, "waiting": e.num_waiting, "swapped": len(sched.swapped),
+                "pages_used": e.pool.num_used, "pages_total": e.pool.num_pages, "swap_pages_used": sched.swap_used,
+                "preemptions": dict(sched.preemptions), "dead": self.runner.dead if self.runner else None}
 
 
 class ModelRegistry:
