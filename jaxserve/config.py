@@ -260,6 +260,81 @@ class ModelSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class KeyLimits:
+    """Per-API-key token buckets (None: unlimited). A request takes one request token and
+    prompt + max_tokens tokens at admission; what it did not generate is given back at the end."""
+
+    requests_per_second: float | None = None
+    request_burst: int | None = None  # bucket size; None: max(1, requests_per_second)
+    tokens_per_minute: int | None = None
+
+    def __post_init__(self):
+        for name in ("requests_per_second", "request_burst", "tokens_per_minute"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdmissionConfig:
+    """Who gets in (serving/admission.py). None means no limit. Capacity refusals are 503,
+    rate and quota refusals 429, each with Retry-After.
+
+    A request is *waiting* from admission until its first token, *in flight* until it ends;
+    both count sequences (a request with n choices counts n). `max_queued_tokens` is the
+    KV-aware cap: prompt tokens of waiting requests (None: 4 x the page pool's tokens).
+    `priority_classes` name integer priorities for the body's `priority` or the
+    `X-Priority` header; `max_waiting_per_priority` keys are class names or integers.
+    """
+
+    priority_classes: dict = dataclasses.field(default_factory=lambda: {"interactive": 0, "batch": 10})
+    max_waiting: int | None = None
+    max_waiting_per_priority: dict = dataclasses.field(default_factory=dict)
+    max_in_flight: int | None = None
+    max_queued_tokens: int | None = None
+    retry_after_s: int = 1  # Retry-After of a capacity refusal
+    limits: KeyLimits = KeyLimits()  # every API key (or everyone, without keys)
+    keys: dict = dataclasses.field(default_factory=dict)  # API key -> KeyLimits overriding `limits`
+
+    def __post_init__(self):
+        if isinstance(self.limits, dict):
+            object.__setattr__(self, "limits", _build(KeyLimits, self.limits, "[server.admission.limits]"))
+        object.__setattr__(self, "keys", {k: v if isinstance(v, KeyLimits) else
+                                          _build(KeyLimits, v, f"[server.admission.keys.{k}]")
+                                          for k, v in self.keys.items()})
+        for name, value in self.priority_classes.items():
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"priority class {name!r} must be an integer, got {value!r}")
+        caps = {}
+        for name, cap in self.max_waiting_per_priority.items():
+            caps[self.resolve_priority(name)] = cap
+        object.__setattr__(self, "max_waiting_per_priority", caps)
+        for name in ("max_waiting", "max_in_flight", "max_queued_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if any(c < 0 for c in caps.values()) or self.retry_after_s < 1:
+            raise ConfigError("max_waiting_per_priority values must be >= 0 and retry_after_s >= 1")
+
+    def resolve_priority(self, value) -> int:
+        """A class name, an integer, or an integer written as a string -> the integer priority."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            if value in self.priority_classes:
+                return self.priority_classes[value]
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        known = ", ".join(f"{k} ({v})" for k, v in self.priority_classes.items())
+        raise ConfigError(f"unknown priority {value!r}: give an integer or a class name ({known})")
+
+    def limits_for(self, key: str) -> KeyLimits:
+        return self.keys.get(key, self.limits)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """The HTTP server: where it listens, who may call it, and what it accepts.
 
@@ -274,8 +349,11 @@ class ServerConfig:
     max_n: int = 8
     max_tokens_limit: int | None = None  # the most max_tokens a request may ask for (and the default cap)
     models: tuple[ModelSpec, ...] = ()
+    admission: AdmissionConfig = AdmissionConfig()
 
     def __post_init__(self):
+        if isinstance(self.admission, dict):
+            object.__setattr__(self, "admission", _build(AdmissionConfig, self.admission, "[server.admission]"))
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         object.__setattr__(self, "models", tuple(m if isinstance(m, ModelSpec) else ModelSpec(**m)
                                                  for m in self.models))
