@@ -380,10 +380,18 @@ def test_body_over_the_limit_is_413(guarded):
     _error(r, 413)
 
 
-def test_priority_field_is_accepted(client, model):
+def test_priority_field_is_accepted(client, model, server):
+    """An integer, a class name in the body, a class name or integer in X-Priority: same answer."""
     a = chat(client, model, QUESTION, max_tokens=6, temperature=0, extra_body={"priority": -5})
     b = chat(client, model, QUESTION, max_tokens=6, temperature=0)
-    assert a.choices[0].message.content == b.choices[0].message.content
+    c = chat(client, model, QUESTION, max_tokens=6, temperature=0, extra_body={"priority": "batch"})
+    d = chat(client, model, QUESTION, max_tokens=6, temperature=0, extra_headers={"X-Priority": "interactive"})
+    e = chat(client, model, QUESTION, max_tokens=6, temperature=0, extra_headers={"X-Priority": "3"})
+    assert len({r.choices[0].message.content for r in (a, b, c, d, e)}) == 1
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": model, "messages": QUESTION},
+                   headers={"X-Priority": "soonest"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Priority"
+    assert "interactive (0), batch (10)" in r.json()["error"]["message"]
 
 
 def test_deadline_ends_a_stream_with_timeout_and_an_empty_answer_with_504(server, model):

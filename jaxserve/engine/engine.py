@@ -108,15 +108,17 @@ class Engine:
     # Requests -----------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, timeout: float | None = None) -> Sequence:
-        """Queue a request; `timeout` (seconds from now, else the config's default) is its deadline."""
+                    request_id: str | None = None, priority: int = 0, timeout: float | None = None,
+                    arrival: float | None = None) -> Sequence:
+        """Queue a request; `timeout` (seconds from `arrival`, a time.monotonic() that defaults to
+        now; else the config's default) is its deadline."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._seqs:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(ids, params.max_tokens)
-        seq = Sequence(request_id, ids, params, priority=priority)
+        seq = Sequence(request_id, ids, params, priority=priority, arrival=arrival)
         timeout = self.config.default_timeout_s if timeout is None else timeout
         seq.deadline = None if timeout is None else seq.arrival + timeout
         seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
@@ -342,14 +344,16 @@ class AsyncEngine:
             self._cv.notify()
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0,
-                       timeout: float | None = None) -> AsyncIterator[TokenEvent]:
-        """Submit a request and iterate over its events; leaving the iteration early aborts it."""
+                       request_id: str | None = None, priority: int = 0, timeout: float | None = None,
+                       arrival: float | None = None) -> AsyncIterator[TokenEvent]:
+        """Submit a request and iterate over its events; leaving the iteration early aborts it.
+        `arrival` (time.monotonic(), default now) is when the deadline and FCFS order start."""
         request_id = request_id or uuid.uuid4().hex
+        arrival = time.monotonic() if arrival is None else arrival
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, queue)
-        self._post(("add", request_id, prompt, params, priority, timeout))
+        self._post(("add", request_id, prompt, params, priority, timeout, arrival))
         finished = False
         try:
             while True:
@@ -391,9 +395,10 @@ class AsyncEngine:
                 inbox, self._inbox = self._inbox, []
             for item in inbox:
                 if item[0] == "add":
-                    _, rid, prompt, params, priority, timeout = item
+                    _, rid, prompt, params, priority, timeout, arrival = item
                     try:
-                        eng.add_request(prompt, params, request_id=rid, priority=priority, timeout=timeout)
+                        eng.add_request(prompt, params, request_id=rid, priority=priority, timeout=timeout,
+                                        arrival=arrival)
                     except Exception as e:  # invalid request: its caller gets the exception
                         self._deliver(rid, e)
                 else:

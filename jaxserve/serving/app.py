@@ -28,15 +28,17 @@ from typing import AsyncIterator
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from jaxserve.config import ServerConfig
+from jaxserve.config import ConfigError, ServerConfig
 from jaxserve.engine.engine import AsyncEngine
 from jaxserve.engine.sequence import InvalidRequest, SamplingParams, TokenEvent
 from jaxserve.serving import protocol as P
+from jaxserve.serving.admission import Admission, Ticket
 from jaxserve.serving.protocol import APIError
 from jaxserve.serving.registry import ModelRegistry, ServedModel
 from jaxserve.tokenizer import ChatTemplateError
@@ -69,7 +71,8 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int = 0  # lower is more urgent
-    timeout: float | None = None  # seconds
+    timeout: float | None = None  # seconds from `arrival`
+    arrival: float | None = None  # time.monotonic() when the HTTP request came in
 
 
 @dataclasses.dataclass
@@ -93,7 +96,7 @@ async def run_choices(runner: AsyncEngine, choices: list[Choice], rid: str
     async def pump(c: Choice):
         try:
             async for ev in runner.generate(c.prompt_ids, c.params, request_id=f"{rid}-{c.index}",
-                                            priority=c.priority, timeout=c.timeout):
+                                            priority=c.priority, timeout=c.timeout, arrival=c.arrival):
                 queue.put_nowait((c.index, ev))
         except Exception as e:  # an invalid request or an engine error ends this choice only
             queue.put_nowait((c.index, e))
@@ -137,8 +140,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit: int | None = None
-                 ) -> tuple[list[Choice], list[int]]:
+def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit: int | None = None,
+                 arrival: float | None = None) -> tuple[list[Choice], list[int]]:
     """Tokenize the prompts, resolve max_tokens, check each prompt fits: (choices, prompt lengths)."""
     if max_tokens_limit is not None and req.max_tokens is not None and req.max_tokens > max_tokens_limit:
         raise P.bad(f"max_tokens is {req.max_tokens}; this server allows at most {max_tokens_limit}",
@@ -170,7 +173,8 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
         except InvalidRequest as e:
             code = "context_length_exceeded" if "context length" in str(e) or "KV cache" in str(e) else None
             raise P.bad(str(e), param=param, code=code) from None
-        choices.extend(Choice(pi * req.n + j, pi, ids, params[j], req.priority, req.timeout) for j in range(req.n))
+        choices.extend(Choice(pi * req.n + j, pi, ids, params[j], req.priority, req.timeout, arrival)
+                       for j in range(req.n))
     return choices, [len(ids) for ids in prompts]
 
 
@@ -179,12 +183,29 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
 class Responder:
     """Writes one request's response, chat or completion, streamed or whole."""
 
-    def __init__(self, served: ServedModel, req: P.GenerationRequest, rid: str, prompt_lens: list[int]):
+    def __init__(self, served: ServedModel, req: P.GenerationRequest, rid: str, prompt_lens: list[int],
+                 admission: Admission | None = None, ticket: Ticket | None = None):
         self.served, self.req, self.rid = served, req, rid
+        self.admission, self.ticket = admission, ticket
+        self.generated = 0  # tokens generated so far, all choices (for the key's token quota)
         self.prompt_tokens = sum(prompt_lens)
         tok = served.engine.tokenizer
         self.fmt = P.LogprobFormatter(lambda i: tok.decode([i], skip_special_tokens=False))
         self.created = int(time.time())
+
+    async def _events(self, choices: list[Choice]) -> AsyncIterator[tuple[int, TokenEvent | Exception]]:
+        """run_choices, telling admission when the first token arrives."""
+        async for index, item in run_choices(self.served.runner, choices, self.rid):
+            if isinstance(item, TokenEvent):
+                self.generated += len(item.token_ids)
+                if self.ticket is not None and item.token_ids:
+                    self.admission.started(self.ticket)
+            yield index, item
+
+    def release(self) -> None:
+        """The request is over (answered, failed or abandoned): give back its admission share."""
+        if self.ticket is not None:
+            self.admission.release(self.ticket, self.generated)
 
     def _logprobs(self, records: list[dict], offset: int = 0) -> dict | None:
         if self.req.logprobs is None:
@@ -206,7 +227,7 @@ class Responder:
         if self.req.chat:
             for c in choices:
                 yield self._sse(self._chunk([P.chat_delta(c.index, {"role": "assistant", "content": ""})]))
-        async for index, item in run_choices(self.served.runner, choices, self.rid):
+        async for index, item in self._events(choices):
             err = _error_of(item)
             if err is not None:
                 yield self._sse(err.body())
@@ -229,7 +250,7 @@ class Responder:
 
     async def whole(self, choices: list[Choice]) -> dict:
         results = {c.index: ChoiceResult() for c in choices}
-        async for index, item in run_choices(self.served.runner, choices, self.rid):
+        async for index, item in self._events(choices):
             err = _error_of(item)
             if err is not None:
                 raise err
@@ -249,6 +270,26 @@ class Responder:
         out = [P.completion_choice(i, r.text, r.finish_reason, self._logprobs(r.logprobs))
                for i, r in results.items()]
         return P.completion_response(self.rid, self.served.name, out, use)
+
+
+def _resolve_priority(req: P.GenerationRequest, header: str | None, cfg: ServerConfig) -> P.GenerationRequest:
+    """The body's `priority`, else the `X-Priority` header, else 0: an integer or a class name."""
+    value, param = (req.priority, "priority") if req.priority is not None else (header, "X-Priority")
+    if value is None:
+        return dataclasses.replace(req, priority=0)
+    try:
+        priority = cfg.admission.resolve_priority(value.strip() if isinstance(value, str) else value)
+    except ConfigError as e:
+        raise P.bad(str(e), param=param, code="invalid_value") from None
+    if not -(2**31) <= priority < 2**31:
+        raise P.bad(f"'{param}' must fit in 32 bits, got {priority}", param=param, code="invalid_value")
+    return dataclasses.replace(req, priority=priority)
+
+
+def _api_key(request: Request) -> str:
+    """The bearer token the request authenticated with ("" without one): the rate-limit key."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 def _with_header_timeout(req: P.GenerationRequest, header: str | None) -> P.GenerationRequest:
@@ -276,6 +317,7 @@ async def _until_disconnected(request: Request) -> None:
 
 def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bool = True) -> Starlette:
     keys = [k.encode() for k in cfg.api_keys]
+    admission = Admission(cfg.admission)
 
     def authorized(request: Request) -> bool:
         if not keys or request.url.path in OPEN_PATHS:
@@ -323,22 +365,30 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         return JSONResponse({"object": "list", "data": data})
 
     async def stats(request: Request, rid: str):
-        return JSONResponse({"models": {name: m.stats() for name, m in registry.models.items()}})
+        return JSONResponse({"models": {name: m.stats() for name, m in registry.models.items()},
+                             "admission": admission.stats()})
 
     async def generation(request: Request, rid: str, chat: bool):
+        arrival = time.monotonic()  # deadlines and first-come order count from here
         body = P.parse_json(await read_body(request, cfg.max_body_bytes))
         req = P.parse_generation(body, chat=chat, max_n=cfg.max_n)
         req = _with_header_timeout(req, request.headers.get("x-request-timeout"))
+        req = _resolve_priority(req, request.headers.get("x-priority"), cfg)
         served = registry.get(req.model)
-        choices, prompt_lens = plan_choices(served, req, cfg.max_tokens_limit)
-        responder = Responder(served, req, rid, prompt_lens)
-        if req.stream:
-            return EventSourceResponse(responder.stream(choices), ping=15)
+        choices, prompt_lens = plan_choices(served, req, cfg.max_tokens_limit, arrival)
+        ticket = admission.admit(model=served.name, key=_api_key(request), priority=req.priority,
+                                 seqs=len(choices), prompt_tokens=sum(len(c.prompt_ids) for c in choices),
+                                 max_new_tokens=sum(c.params.max_tokens for c in choices),
+                                 pool_tokens=served.engine.pool.num_pages * served.engine.pool.page_size)
+        responder = Responder(served, req, rid, prompt_lens, admission, ticket)
+        if req.stream:  # the background task runs once the stream ends, the client gone or not
+            return EventSourceResponse(responder.stream(choices), ping=15, background=BackgroundTask(responder.release))
         work = asyncio.ensure_future(responder.whole(choices))
         gone = asyncio.ensure_future(_until_disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            responder.release()
             gone.cancel()
             if not work.done():  # the client left: cancelling aborts its engine requests
                 work.cancel()

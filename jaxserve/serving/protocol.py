@@ -87,6 +87,14 @@ def _field(body: dict, name: str, kind: type, default: Any = None, *, lo=None, h
     return value
 
 
+def _priority(body: dict) -> int | str | None:
+    """An integer, or the name of a priority class (checked against the server's classes later)."""
+    value = body.get("priority")
+    if isinstance(value, str) and 0 < len(value) <= 64:
+        return value
+    return _field(body, "priority", int, None, lo=-(2**31), hi=2**31 - 1)
+
+
 def _stop(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -183,7 +191,7 @@ class GenerationRequest:
     sampling: dict  # SamplingParams keyword arguments other than max_tokens and seed
     seed: int | None
     user: str | None
-    priority: int = 0  # lower is more urgent (vLLM's convention); may preempt a less urgent one
+    priority: int | str | None = None  # lower is more urgent (vLLM); a class name is resolved by the app
     timeout: float | None = None  # seconds from arrival; past it the request is ended
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
@@ -232,7 +240,7 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
     return GenerationRequest(chat=chat, model=model, messages=messages, prompts=prompts, stream=stream,
                              include_usage=include_usage, n=n, max_tokens=max_tokens, logprobs=logprobs,
                              sampling=sampling, seed=seed, user=user,
-                             priority=_field(body, "priority", int, 0, lo=-(2**31), hi=2**31 - 1),
+                             priority=_priority(body),
                              timeout=_field(body, "timeout", float, None, lo=0, lo_open=True))
 
 
