@@ -236,6 +236,22 @@ def test_prefill_token_budget_chunks_long_prompts_between_decode_steps(tiny_mode
     assert all(steps[i + 1][0] == "decode" for i in prefills[:-1])  # the stream kept flowing
 
 
+def test_a_prompt_longer_than_the_smallest_context_bucket_is_prefilled_in_chunks(tiny_model_dir):
+    """Chunks of a 100-token prompt with the 32-token context bucket first: each chunk's step
+    uses the bucket its context needs, and with a repetition penalty (which reads the token
+    history) the greedy output equals the one of an engine with a single 256 bucket."""
+    opts = dict(max_num_seqs=2, decode_batch_buckets=(1, 2), max_model_len=256, prefill_length_buckets=(16, 32),
+                prefill_batch_buckets=(1,), compilation_cache_dir=None)
+    prompt = [random.Random(4).randrange(3, 49152) for _ in range(100)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.3)
+    outs = []
+    for buckets in ((256,), (32, 256)):
+        eng = Engine(tiny_model_dir, EngineConfig(**opts, context_buckets=buckets))
+        outs.append(run_alone(eng, prompt, params))
+        assert eng.pool.num_used == 0
+    assert outs[0] == outs[1] and len(outs[0]) == 12
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_interactive_request_preempts_a_batch_one_when_slots_are_full(tiny_model_dir, mode):
     """max_num_seqs = 2, both slots decoding batch requests (priority 10): an interactive request

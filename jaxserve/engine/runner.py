@@ -275,7 +275,9 @@ class ModelRunner:
             pres[i], freq[i], rep[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             seeds[i], counters[i], prompt_lens[i] = seq.seed, len(seq.output_ids), len(seq.prompt_ids)
             want_logprobs[i] = p.logprobs is not None
-            history[i, :len(all_tokens)] = all_tokens
+            # Tokens up to this chunk's end: the context bucket (the history's width) covers
+            # them; a sample is only kept at the prompt's end, where they are all the tokens.
+            history[i, :s + n] = all_tokens[:s + n]
         inp = StepInputs(tokens=tokens, positions=positions, slot_mapping=slots, block_tables=tables,
                          context_lens=ctx, last_index=last)
         samp = SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=pres,
