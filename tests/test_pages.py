@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from jaxserve.engine.pages import OutOfPages, PagePool
-from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
+from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, by_priority
 from jaxserve.engine.sequence import SamplingParams, Sequence, Status
 
 
@@ -42,38 +42,44 @@ def test_grow_takes_pages_as_tokens_arrive():
     assert pages == [] and pool.num_used == 0
 
 
+def run_step(sched: Scheduler, pool: PagePool):
+    """Schedule, then do what the engine does with the result (minus the device)."""
+    batch = sched.schedule()
+    if batch is None:
+        return None
+    for it in batch.items:
+        seq = it.seq
+        assert seq.status is Status.RUNNING
+        assert len(seq.pages) * pool.page_size >= it.start + it.length
+        seq.num_computed = it.start + it.length
+        if it.samples:
+            seq.output_ids.append(7)
+            if len(seq.output_ids) >= seq.params.max_tokens:
+                sched.finish(seq, "length")
+    return batch
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.pool = PagePool(12, 4)
         self.sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_prefill_seqs=2, max_prefill_chunk=8,
-                                               max_prefill_tokens=16, watermark_pages=1), self.pool)
+                                               max_prefill_tokens=16, watermark_pages=1, preemption_mode="auto",
+                                               swap_pages=6, swap_min_tokens=6), self.pool, by_priority)
         self.seqs: list[Sequence] = []
         self.n = 0
 
-    @rule(prompt_len=st.integers(1, 20), max_tokens=st.integers(1, 12))
-    def add(self, prompt_len, max_tokens):
+    @rule(prompt_len=st.integers(1, 20), max_tokens=st.integers(1, 12), priority=st.integers(0, 2))
+    def add(self, prompt_len, max_tokens, priority):
         self.n += 1
         seq = Sequence(f"r{self.n}", list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens),
-                       arrival=float(self.n))
+                       priority=priority, arrival=float(self.n))
         self.seqs.append(seq)
         self.sched.add(seq)
 
     @rule()
     def step(self):
-        """Schedule, then do what the engine does with the result (minus the device)."""
-        batch = self.sched.schedule()
-        if batch is None:
-            return
-        for it in batch.items:
-            seq = it.seq
-            assert seq.status is Status.RUNNING
-            assert len(seq.pages) * self.pool.page_size >= it.start + it.length
-            seq.num_computed = it.start + it.length
-            if it.samples:
-                seq.output_ids.append(7)
-                if len(seq.output_ids) >= seq.params.max_tokens:
-                    self.sched.finish(seq, "length")
+        run_step(self.sched, self.pool)
 
     @precondition(lambda self: any(not s.is_finished for s in self.seqs))
     @rule(data=st.data())
@@ -104,6 +110,34 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_scheduler_bookkeeping = SchedulerMachine.TestCase
+
+
+def test_an_urgent_arrival_skips_the_decode_turn_and_goes_before_a_long_prompts_chunk():
+    """A batch stream decodes and a long batch prompt is mid-prefill (8-token chunks, one
+    sequence per prefill step). An interactive request (priority 0) arriving right after a
+    prefill step is prefilled in the very next step, before the long prompt's next chunk;
+    then decode and the long prompt's chunks alternate again."""
+    pool = PagePool(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_prefill_seqs=1, max_prefill_chunk=8, max_prefill_tokens=8),
+                      pool, by_priority)
+    stream = Sequence("stream", [3] * 5, SamplingParams(max_tokens=50), priority=10, arrival=1.0)
+    long = Sequence("long", [4] * 30, SamplingParams(max_tokens=50), priority=10, arrival=2.0)
+    urgent = Sequence("urgent", [5] * 6, SamplingParams(max_tokens=50), priority=0, arrival=3.0)
+
+    def step():
+        batch = run_step(sched, pool)
+        return [(it.seq.request_id, it.length) for it in batch.items]
+
+    sched.add(stream)
+    assert step() == [("stream", 5)]
+    sched.add(long)
+    assert step() == [("stream", 1)]
+    assert step() == [("long", 8)]  # the decode turn is now due
+    sched.add(urgent)
+    assert step() == [("urgent", 6)]  # ... but the interactive request outranks every stream
+    assert step() == [("urgent", 1), ("stream", 1)]
+    assert step() == [("long", 8)]
+    assert step() == [("urgent", 1), ("stream", 1)]
 
 
 def test_kv_budget_from_gib_or_a_fraction_of_device_memory():

@@ -12,7 +12,8 @@ the runner a list of (sequence, start, length) items.
 Each step is either a prefill step (chunks of prompts, up to a batch and token
 budget) or a decode step (one token for every decoding sequence). When both kinds
 of work exist the scheduler alternates, so a long prompt arriving never stalls the
-streams already running for more than one chunk. When a decode step needs a page
+streams already running for more than one chunk; only a request more urgent than
+every running stream skips its turn, so its first token waits for one step at most. When a decode step needs a page
 and none is free, the sequence that `order_key` ranks last is preempted. When every
 batch slot is taken and a waiting sequence is more urgent than a running one (a
 lower priority value), the running one ranked last is preempted to free its slot,
@@ -195,7 +196,9 @@ class Scheduler:
         decoding = [s for s in self.running if s.num_uncomputed == 1]
         prefill_ready = len(decoding) < len(self.running) or (self.waiting and (
             len(self.running) < self.cfg.max_num_seqs or self._urgent_waiting()))
-        if prefill_ready and not (self._last_was_prefill and decoding):
+        # Alternate with decode steps, except for a request more urgent than every stream.
+        alternate = self._last_was_prefill and decoding and not self._outranks(decoding)
+        if prefill_ready and not alternate:
             batch = self._schedule_prefill()
             if batch.items:
                 self._last_was_prefill = True
@@ -205,7 +208,15 @@ class Scheduler:
             return self._schedule_decode()
         return None
 
+    def _outranks(self, seqs: list[Sequence]) -> bool:
+        """Some waiting sequence is more urgent (a lower priority value) than all of `seqs`."""
+        return bool(self.waiting) and min(s.priority for s in self.waiting) < min(s.priority for s in seqs)
+
     def _schedule_prefill(self) -> ScheduledBatch:
+        """Chunks in `order_key` order, mid-prompt sequences (holding pages) and waiting ones
+        alike, so an urgent arrival goes before a less urgent prompt's next chunk. A waiting
+        sequence that cannot start (no slot, no pages) lets no later waiting one overtake it,
+        but mid-prompt ones still continue (they need no slot, and they end)."""
         cfg = self.cfg
         items: list[ScheduledItem] = []
         budget = cfg.max_prefill_tokens
@@ -216,31 +227,35 @@ class Scheduler:
             return (padded_rows <= cfg.max_prefill_seqs
                     and padded_rows * max(longest, length) <= budget)
 
-        # Sequences already holding pages and mid-prompt continue first.
-        for seq in sorted((s for s in self.running if s.num_uncomputed > 1), key=self.order_key):
+        mid = [s for s in self.running if s.num_uncomputed > 1]
+        mid_ids = {id(s) for s in mid}
+        admitted: list[Sequence] = []
+        blocked = False
+        for seq in sorted(mid + self.waiting, key=self.order_key):
             length = min(seq.num_uncomputed, cfg.max_prefill_chunk)
-            if not fits(length):
-                break
-            if not self.pool.grow(seq.pages, seq.num_computed + length):
-                break
-            items.append(ScheduledItem(seq, seq.num_computed, length))
-            longest = max(longest, length)
-
-        # Then new (or preempted) sequences, while slots, pages and budget allow.
-        admitted = []
-        for seq in sorted(self.waiting, key=self.order_key):
-            if len(self.running) + len(admitted) >= cfg.max_num_seqs and not self._free_slot_for(seq, items):
-                break
-            length = min(seq.num_uncomputed, cfg.max_prefill_chunk)
-            if not fits(length):
-                break
-            need = self.pool.pages_needed(length)
-            if not self.pool.can_allocate(need + cfg.watermark_pages) and (self.running or admitted):
-                break
-            if not self.pool.grow(seq.pages, length):
-                break
-            admitted.append(seq)
-            items.append(ScheduledItem(seq, 0, length))
+            if id(seq) in mid_ids:
+                if seq.status is not Status.RUNNING:
+                    continue  # preempted in this very step to free a slot
+                if not fits(length):
+                    break
+                if not self.pool.grow(seq.pages, seq.num_computed + length):
+                    break
+                items.append(ScheduledItem(seq, seq.num_computed, length))
+            else:
+                if blocked:
+                    continue
+                if not fits(length):
+                    break
+                if len(self.running) + len(admitted) >= cfg.max_num_seqs and not self._free_slot_for(seq, items):
+                    blocked = True
+                    continue
+                need = self.pool.pages_needed(length)
+                if (not self.pool.can_allocate(need + cfg.watermark_pages) and (self.running or admitted)) \
+                        or not self.pool.grow(seq.pages, length):
+                    blocked = True
+                    continue
+                admitted.append(seq)
+                items.append(ScheduledItem(seq, 0, length))
             longest = max(longest, length)
         for seq in admitted:
             self.waiting.remove(seq)
