@@ -20,9 +20,9 @@ from jaxserve.bench.dataset import BenchPrompt
 from jaxserve.bench.metrics import RequestRecord
 
 
-def request_body(p: BenchPrompt, model: str, ignore_eos: bool, temperature: float) -> dict:
+def request_body(p: BenchPrompt, model: str, ignore_eos: bool, temperature: float, extra: dict | None = None) -> dict:
     body = {"model": model, "max_tokens": p.output_len, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
     if ignore_eos:
         body["ignore_eos"] = True
     if p.messages is not None:
@@ -40,13 +40,15 @@ def _text_of(chunk: dict) -> str:
 
 
 async def send(client: httpx.AsyncClient, base_url: str, p: BenchPrompt, model: str, *, ignore_eos: bool = True,
-               temperature: float = 0.0, count_tokens: Callable[[str], int] | None = None) -> RequestRecord:
-    """One streamed request; never raises: a failure is recorded on the returned record."""
+               temperature: float = 0.0, count_tokens: Callable[[str], int] | None = None,
+               extra: dict | None = None) -> RequestRecord:
+    """One streamed request; never raises: a failure is recorded on the returned record.
+    `extra` adds body fields (e.g. `priority`)."""
     path = "/v1/chat/completions" if p.messages is not None else "/v1/completions"
     rec = RequestRecord(start=time.perf_counter(), prompt_tokens=p.prompt_tokens)
     usage = None
     try:
-        async with client.stream("POST", base_url + path, json=request_body(p, model, ignore_eos, temperature),
+        async with client.stream("POST", base_url + path, json=request_body(p, model, ignore_eos, temperature, extra),
                                  headers={"Accept": "text/event-stream"}) as r:
             if r.status_code != 200:
                 rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200].decode(errors='replace')}"
