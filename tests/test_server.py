@@ -421,3 +421,129 @@ def test_server_caps_max_tokens(guarded):
     assert err["param"] == "max_tokens" and "at most 40" in err["message"]
     r = httpx.post(url, headers=auth, timeout=120, json={"model": "alpha", "messages": QUESTION, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40  # the cap is also the default
+
+
+# /metrics -----------------------------------------------------------------------------
+
+def scrape(server) -> dict[tuple, float]:
+    """One real scrape of /metrics, parsed: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{server.url}/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def test_metrics_count_a_known_workload(server, model):
+    """N = 4 greedy requests of M = 6 tokens (EOS ignored): the generation-token counter grows
+    by N x M, successes with finished_reason "length" by N, TTFT / e2e / TPOT histograms by N
+    observations and inter-token latency by N x (M - 1); prompt tokens by what usage says;
+    afterwards nothing runs or waits and no KV page is in use."""
+    n, m = 4, 6
+    label = (("model_name", model),)
+    before = scrape(server)
+    prompt_tokens = 0
+    for i in range(n):
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": f"Count to {i + 3}."}], "max_tokens": m, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == m
+        prompt_tokens += r.json()["usage"]["prompt_tokens"]
+    after = scrape(server)
+
+    def grew(name, labels=label):
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert grew("vllm:generation_tokens_total") == n * m
+    assert grew("vllm:prompt_tokens_total") == prompt_tokens
+    assert grew("vllm:request_success_total", (("finished_reason", "length"), *label)) == n
+    for hist in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_time_per_output_token_seconds", "vllm:request_queue_time_seconds"):
+        assert grew(f"{hist}_count") == n, hist
+    assert grew("vllm:inter_token_latency_seconds_count") == n * (m - 1)
+    assert grew("vllm:e2e_request_latency_seconds_sum") >= grew("vllm:time_to_first_token_seconds_sum") > 0
+    assert after[("vllm:num_requests_running", label)] == 0 and after[("vllm:num_requests_waiting", label)] == 0
+    assert after[("vllm:kv_cache_usage_perc", label)] == 0.0
+    assert grew("jaxserve:engine_step_tokens_count", (("kind", "decode"), *label)) >= m - 1
+    assert after[("process_resident_memory_bytes", ())] > 100 * 2**20
+
+
+def test_a_real_prometheus_scrapes_ttft_quantiles_and_kv_usage(server, model, tmp_path):
+    """Debian's Prometheus scrapes this server every second while 8 streams of 48 tokens run.
+    Its HTTP API then says: the TTFT median of that traffic (histogram_quantile over the
+    buckets' increase) is positive and no later than the slowest first token the client saw
+    (the server's TTFT ends before the client reads it, and is at most its bucket's upper
+    bound); KV usage rose above 0 while the streams ran and is 0 now; the generation-token
+    counter is the one /metrics shows."""
+    import shutil
+    import subprocess
+
+    from prometheus_client.utils import INF
+
+    from jaxserve.metrics import TTFT_BUCKETS
+    from server_proc import free_port
+
+    binary = shutil.which("prometheus")
+    assert binary, "Prometheus is missing: `make install-test` installs Debian's prometheus package"
+    port = free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - {{job_name: jaxserve, static_configs: [{{targets: ['127.0.0.1:{server.port}']}}]}}\n")
+    log = open(tmp_path / "prometheus.log", "w")
+    proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+
+    def query(q: str) -> list:
+        r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": q}, timeout=10).json()
+        assert r["status"] == "success", r
+        return r["data"]["result"]
+
+    def until(q: str, ok, what: str):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                result = query(q)
+                if result and ok(float(result[0]["value"][1])):
+                    return float(result[0]["value"][1])
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+            time.sleep(0.2)
+        raise AssertionError(f"Prometheus never saw {what}: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
+
+    sel = f'{{model_name="{model}"}}'
+
+    async def traffic():
+        async def one(i):
+            t0 = time.monotonic()
+            body = {"messages": [{"role": "user", "content": f"Tell a story about the number {i}."}],
+                    "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
+            first = None
+            async with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if first is None and '"content": "' in line and '"content": ""' not in line:
+                        first = time.monotonic() - t0
+            return first
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(i) for i in range(8)))
+
+    try:
+        until(f'up{{job="jaxserve"}}', lambda v: v == 1, "the server up")
+        until(f"vllm:generation_tokens_total{sel}", lambda v: v > 0, "the counter before the traffic")
+        ttfts = asyncio.run(traffic())
+        generated = scrape(server)[("vllm:generation_tokens_total", (("model_name", model),))]
+        until(f"vllm:generation_tokens_total{sel}", lambda v: v == generated, "the traffic's last token")
+        q50 = until(f"histogram_quantile(0.5, sum by (le) "
+                    f"(increase(vllm:time_to_first_token_seconds_bucket{sel}[10m])))", lambda v: True, "TTFT")
+        kv_max = until(f"max_over_time(vllm:kv_cache_usage_perc{sel}[10m])", lambda v: True, "KV usage")
+        kv_now = until(f"vllm:kv_cache_usage_perc{sel}", lambda v: True, "KV usage now")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()
+    upper = min(b for b in (*TTFT_BUCKETS, INF) if b >= max(ttfts))
+    assert 0 < q50 <= upper, (q50, sorted(ttfts))
+    assert 0 < kv_max <= 1 and kv_now == 0

@@ -94,6 +94,8 @@ class Engine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_cfg.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}
+        self.page_bytes = page_bytes  # of one page, all layers' K and V
+        self.metrics = None  # a jaxserve.metrics.EngineMetrics when served; called from the engine thread
         self.compile_seconds = self.runner.warmup() if warmup else 0.0
         log.info("engine ready: %d pages of %d tokens, max_model_len %d, max_num_seqs %d",
                  num_pages, config.page_size, max_len, self.config.max_num_seqs)
@@ -201,11 +203,20 @@ class Engine:
             seq.swap_pages = 0
 
     def _run(self, batch) -> list[TokenEvent]:
+        started = time.monotonic()
         try:
             self._swap(batch)
             if not batch.items:
                 return []
+            for it in batch.items:
+                if it.seq.scheduled_at is None:
+                    it.seq.scheduled_at = started
+                    if self.metrics is not None:
+                        self.metrics.scheduled(it.seq, started)
             result = self.runner.run(batch.items, batch.decode)
+            if self.metrics is not None:
+                self.metrics.step(batch.decode, len(batch.items), sum(it.length for it in batch.items),
+                                  time.monotonic() - started)
         except Exception as e:  # a failed device step ends the requests in it, and only them
             seqs = list({id(s): s for s in [it.seq for it in batch.items] + batch.swap_in}.values())
             log.exception("step failed; finishing %d request(s) with an error", len(seqs))
@@ -245,6 +256,11 @@ class Engine:
     def _append_token(self, seq: Sequence, token: int, logprobs: dict | None) -> TokenEvent:
         p = seq.params
         seq.output_ids.append(token)
+        now = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.token(seq, now)
+        seq.first_token_at = now if seq.first_token_at is None else seq.first_token_at
+        seq.last_token_at = now
         reason = None
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
@@ -271,6 +287,8 @@ class Engine:
         return self._event(seq, [token], new_text, reason, logprobs=logprobs)
 
     def _event(self, seq: Sequence, token_ids, text, reason, logprobs=None, error=None) -> TokenEvent:
+        if seq.is_finished and self.metrics is not None:  # every way a request ends comes through here
+            self.metrics.finished(seq, time.monotonic())
         return TokenEvent(request_id=seq.request_id, token_ids=token_ids, text=text,
                           finished=seq.is_finished, finish_reason=seq.finish_reason if seq.is_finished else reason,
                           logprobs=[logprobs] if logprobs else None, prompt_tokens=len(seq.prompt_ids),

@@ -111,6 +111,10 @@ class Sequence:
         self.deadline: float | None = None  # time.monotonic() past which the request is ended
         self.swap_pages = 0  # host pages held while swapped out
         self.swap_data = None  # the runner's host copy of those pages (opaque to the scheduler)
+        # time.monotonic() of the first step it was in, its first and its latest token (metrics)
+        self.scheduled_at: float | None = None
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
 
     @property
     def tokens(self) -> list[int]:

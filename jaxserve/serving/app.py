@@ -31,12 +31,13 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jaxserve.config import ConfigError, ServerConfig
 from jaxserve.engine.engine import AsyncEngine
 from jaxserve.engine.sequence import InvalidRequest, SamplingParams, TokenEvent
+from jaxserve.metrics import CONTENT_TYPE, Metrics
 from jaxserve.serving import protocol as P
 from jaxserve.serving.admission import Admission, Ticket
 from jaxserve.serving.protocol import APIError
@@ -45,7 +46,7 @@ from jaxserve.tokenizer import ChatTemplateError
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/version")
+OPEN_PATHS = ("/health", "/version", "/metrics")  # as vLLM: scrapers carry no API key
 
 
 def _version() -> str:
@@ -318,6 +319,9 @@ async def _until_disconnected(request: Request) -> None:
 def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bool = True) -> Starlette:
     keys = [k.encode() for k in cfg.api_keys]
     admission = Admission(cfg.admission)
+    metrics = Metrics()
+    registry.attach_metrics(metrics)
+    metrics.state.rejections = lambda: dict(admission.rejections)
 
     def authorized(request: Request) -> bool:
         if not keys or request.url.path in OPEN_PATHS:
@@ -397,6 +401,9 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
                 log.info("request %s: client disconnected, aborted", rid)
         return JSONResponse(work.result())
 
+    async def prometheus(request: Request, rid: str):
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
     async def chat_completions(request: Request, rid: str):
         return await generation(request, rid, chat=True)
 
@@ -421,12 +428,14 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         Route("/health", api(health), methods=["GET"]),
         Route("/version", api(version), methods=["GET"]),
         Route("/stats", api(stats), methods=["GET"]),
+        Route("/metrics", api(prometheus), methods=["GET"]),
         Route("/v1/models", api(models), methods=["GET"]),
         Route("/v1/chat/completions", api(chat_completions), methods=["POST"]),
         Route("/v1/completions", api(completions), methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
     app.state.registry = registry
+    app.state.metrics = metrics
     return app
 
 

@@ -54,6 +54,15 @@ class ModelRegistry:
         self.engine_config = engine_config
         self.engine_factory = engine_factory
         self.loaded = threading.Event()
+        self.metrics: Metrics | None = None
+
+    def attach_metrics(self, metrics: Metrics) -> None:
+        """Feed `metrics` from every engine, those loaded already and those still to load."""
+        self.metrics = metrics
+        for m in self.models.values():
+            metrics.state.sources[m.name] = lambda m=m: m.engine
+            if m.engine is not None:
+                m.engine.metrics = metrics.for_model(m.name)
 
     @property
     def names(self) -> list[str]:
@@ -65,7 +74,10 @@ class ModelRegistry:
             for m in self.models.values():
                 t0 = time.perf_counter()
                 try:
-                    m.engine = self.engine_factory(m.spec.path, self.engine_config)
+                    engine = self.engine_factory(m.spec.path, self.engine_config)
+                    if self.metrics is not None:
+                        engine.metrics = self.metrics.for_model(m.name)
+                    m.engine = engine
                     m.runner = AsyncEngine(m.engine)
                     log.info("model %s ready in %.1fs", m.name, time.perf_counter() - t0)
                 except Exception as e:  # noqa: BLE001 - the server reports it on /health and keeps running

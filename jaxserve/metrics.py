@@ -1,0 +1,190 @@
+"""Prometheus metrics under vLLM's names, so existing dashboards and autoscalers read them.
+
+Two kinds of values:
+
+    observed  histograms and counters the engine thread feeds as things happen
+              (`EngineMetrics`: a request's first token, every later token, its end,
+              every step), labelled by `model_name`;
+    read      gauges read at scrape time from the live objects (`StateCollector`:
+              running / waiting / swapped, KV cache usage, preemptions by mode,
+              admission refusals by reason, device memory), so they are never stale
+              and cost nothing between scrapes.
+
+Each server process has one `Metrics` (its own CollectorRegistry, so tests can build
+several apps in one process). The vLLM names are the contract; engine internals that
+vLLM has no name for are under `jaxserve:`.
+
+Request timings follow vLLM's definitions: queue time = arrival -> first scheduled;
+TTFT = arrival -> first token; inter-token latency = every gap between two tokens of
+a request; TPOT = (e2e - TTFT) / (output tokens - 1); e2e = arrival -> finish.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# vLLM's bucket boundaries (seconds), so quantiles line up with its dashboards.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Metrics:
+    """Every metric family of one server process."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token (arrival to first token).",
+                              m, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Gap between two tokens of a request.",
+                             m, buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "(e2e - TTFT) / (output tokens - 1), per finished request.",
+                              m, buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish of a request.",
+                             m, buckets=REQUEST_BUCKETS, registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled step.",
+                               m, buckets=REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", m, registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               [*m, "finished_reason"], registry=r)
+        self.step_time = Histogram("jaxserve:engine_step_seconds", "Wall time of one engine step.",
+                                   [*m, "kind"], buckets=STEP_BUCKETS, registry=r)
+        self.batch_size = Histogram("jaxserve:engine_batch_size", "Sequences in one engine step.",
+                                    [*m, "kind"], buckets=SIZE_BUCKETS, registry=r)
+        self.step_tokens = Histogram("jaxserve:engine_step_tokens", "Tokens computed in one engine step.",
+                                     [*m, "kind"], buckets=SIZE_BUCKETS, registry=r)
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        self.state = StateCollector()
+        r.register(self.state)
+
+    def for_model(self, name: str) -> "EngineMetrics":
+        return EngineMetrics(self, name)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineMetrics:
+    """One model's children of the observed families; the engine thread calls these."""
+
+    def __init__(self, m: Metrics, name: str):
+        self.name = name
+        self._ttft, self._itl, self._tpot = m.ttft.labels(name), m.itl.labels(name), m.tpot.labels(name)
+        self._e2e, self._queue = m.e2e.labels(name), m.queue.labels(name)
+        self._prompt, self._generated = m.prompt_tokens.labels(name), m.generation_tokens.labels(name)
+        self._success = m.success
+        self._step = {k: (m.step_time.labels(name, k), m.batch_size.labels(name, k), m.step_tokens.labels(name, k))
+                      for k in ("prefill", "decode")}
+
+    def scheduled(self, seq, now: float) -> None:
+        """`seq` is in a step for the first time."""
+        self._queue.observe(max(0.0, now - seq.arrival))
+
+    def token(self, seq, now: float) -> None:
+        """`seq` got a token; seq.first_token_at / last_token_at are the times before this one."""
+        self._generated.inc()
+        if seq.first_token_at is None:
+            self._ttft.observe(max(0.0, now - seq.arrival))
+        else:
+            self._itl.observe(now - seq.last_token_at)
+
+    def finished(self, seq, now: float) -> None:
+        self._prompt.inc(len(seq.prompt_ids))
+        self._success.labels(self.name, seq.finish_reason).inc()
+        e2e = max(0.0, now - seq.arrival)
+        self._e2e.observe(e2e)
+        n = len(seq.output_ids)
+        if n > 1 and seq.first_token_at is not None:
+            self._tpot.observe((seq.last_token_at - seq.first_token_at) / (n - 1))
+
+    def step(self, decode: bool, seqs: int, tokens: int, seconds: float) -> None:
+        time_h, size_h, tokens_h = self._step["decode" if decode else "prefill"]
+        time_h.observe(seconds)
+        size_h.observe(seqs)
+        tokens_h.observe(tokens)
+
+
+class StateCollector(Collector):
+    """Gauges and totals read from live objects at scrape time.
+
+    `sources` maps a model name to a callable returning that model's engine (None while
+    it loads); `rejections` returns the admission refusals by reason. Reading the
+    engine's queue lengths and page counts from the scrape thread is safe: they are
+    plain ints and list lengths, read once each.
+    """
+
+    def __init__(self):
+        self.sources: dict[str, Callable[[], object]] = {}
+        self.rejections: Callable[[], dict[str, int]] = dict
+
+    def collect(self) -> Iterable:
+        running = GaugeMetricFamily("vllm:num_requests_running", "Requests in the running batch.",
+                                    labels=["model_name"])
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                                    labels=["model_name"])
+        swapped = GaugeMetricFamily("vllm:num_requests_swapped", "Requests swapped out to host memory.",
+                                    labels=["model_name"])
+        kv = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Fraction of KV cache pages in use (1 = full).",
+                               labels=["model_name"])
+        pages = GaugeMetricFamily("jaxserve:kv_cache_pages", "KV cache pages by state.",
+                                  labels=["model_name", "state"])
+        swap = GaugeMetricFamily("jaxserve:swap_space_bytes_used", "Host swap space holding preempted KV.",
+                                 labels=["model_name"])
+        preempt = CounterMetricFamily("vllm:num_preemptions", "Preemptions, all modes.", labels=["model_name"])
+        by_mode = CounterMetricFamily("jaxserve:preemptions", "Preemptions by mode.", labels=["model_name", "mode"])
+        compiled = GaugeMetricFamily("jaxserve:compile_seconds", "Seconds spent compiling the step buckets.",
+                                     labels=["model_name"])
+        for name, get in self.sources.items():
+            engine = get()
+            if engine is None:
+                continue
+            sched, pool = engine.scheduler, engine.pool
+            running.add_metric([name], len(sched.running))
+            waiting.add_metric([name], len(sched.waiting))
+            swapped.add_metric([name], len(sched.swapped))
+            used = pool.num_used
+            kv.add_metric([name], used / pool.num_pages)
+            pages.add_metric([name, "used"], used)
+            pages.add_metric([name, "free"], pool.num_pages - used)
+            swap.add_metric([name], sched.swap_used * engine.page_bytes)
+            counts = dict(sched.preemptions)
+            preempt.add_metric([name], sum(counts.values()))
+            for mode, n in counts.items():
+                by_mode.add_metric([name, mode], n)
+            compiled.add_metric([name], engine.compile_seconds)
+        rejected = CounterMetricFamily("vllm:admission_rejections", "Requests refused at admission, by reason.",
+                                       labels=["reason"])
+        for reason, n in sorted(self.rejections().items()):
+            rejected.add_metric([reason], n)
+        yield from (running, waiting, swapped, kv, pages, swap, preempt, by_mode, compiled, rejected)
+        yield from _device_memory()
+
+
+def _device_memory() -> Iterable:
+    """Bytes in use per device where the backend reports it (GPUs); nothing on CPU."""
+    import jax
+
+    family = GaugeMetricFamily("jaxserve:device_memory_bytes_in_use", "Device memory in use (jax memory_stats).",
+                               labels=["device"])
+    seen = False
+    for d in jax.local_devices():
+        stats = d.memory_stats() or {}
+        if "bytes_in_use" in stats:
+            family.add_metric([str(d.id)], stats["bytes_in_use"])
+            seen = True
+    if seen:
+        yield family
