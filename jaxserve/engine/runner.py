@@ -131,11 +131,13 @@ class ModelRunner:
                                  slot_mapping=inp.slot_mapping, block_tables=inp.block_tables,
                                  sliding_window=self.model_cfg.sliding_window, attention_impl=self.attention_impl,
                                  matmul_impl=self.matmul_impl, interpret=self.cfg.interpret)
-        hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, inp.tokens, meta, kv_cache)
-        B = hidden.shape[0]
-        last = hidden[jnp.arange(B), inp.last_index]  # [B, D]
-        logits = self.model.logits_from_hidden(params, last, self.matmul_impl, self.cfg.interpret)  # [B, V]
-        return sample(logits, sampling), kv_cache
+        with jax.named_scope("model"):  # names the ops in a profile: model/..., sample/...
+            hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, inp.tokens, meta, kv_cache)
+            B = hidden.shape[0]
+            last = hidden[jnp.arange(B), inp.last_index]  # [B, D]
+            logits = self.model.logits_from_hidden(params, last, self.matmul_impl, self.cfg.interpret)  # [B, V]
+        with jax.named_scope("sample"):
+            return sample(logits, sampling), kv_cache
 
     # Buckets and compilation ----------------------------------------------------------
 
@@ -222,7 +224,12 @@ class ModelRunner:
     # One step -------------------------------------------------------------------------
 
     def run(self, items: list[ScheduledItem], decode: bool) -> StepResult:
-        """Pad `items` into a bucket, run the step, bring the sampled tokens back to the host."""
+        """Pad `items` into a bucket, run the step, bring the sampled tokens back to the host.
+        In a profile the whole of it is one `jaxserve.decode` or `jaxserve.prefill` scope."""
+        with jax.profiler.TraceAnnotation("jaxserve.decode" if decode else "jaxserve.prefill", seqs=len(items)):
+            return self._run(items, decode)
+
+    def _run(self, items: list[ScheduledItem], decode: bool) -> StepResult:
         n = len(items)
         if decode:
             B = _bucket(n, self.decode_batches)
