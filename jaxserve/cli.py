@@ -119,7 +119,9 @@ def _cmd_serve(args) -> int:
 
     from jaxserve.config import ConfigError, EngineConfig, ModelSpec, ServerConfig, load_config_file
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from jaxserve.serving.tracing import configure_logging, otlp_tracer
+
+    configure_logging(args.log_format, logging.INFO)
     try:
         server, engine = load_config_file(args.config) if args.config else (ServerConfig(), EngineConfig())
         names = args.served_model_name or []
@@ -149,12 +151,19 @@ def _cmd_serve(args) -> int:
             if not (Path(m.path) / "config.json").is_file():
                 raise ConfigError(f"{m.path}: not a converted model directory (no config.json); "
                                   "see `jaxserve convert`")
-    except ConfigError as e:
+        tracer = otlp_tracer(args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None
+    except (ConfigError, RuntimeError) as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return 2
     from jaxserve.serving.app import serve
 
-    serve(server, engine)
+    if args.profiler_port is not None:
+        import jax
+
+        jax.profiler.start_server(args.profiler_port)
+        logging.getLogger("jaxserve").info("jax profiler server on port %d (XProf / TensorBoard: capture profile)",
+                                           args.profiler_port)
+    serve(server, engine, tracer=tracer)
     return 0
 
 
@@ -208,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-memory", type=float, metavar="GIB", help="KV cache budget in GiB")
     s.add_argument("--kv-cache-memory-fraction", type=float, metavar="F",
                    help="KV cache budget as a fraction of free device memory (GPUs; wins over GiB there)")
+    s.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="json: one JSON object per line, each with its request_id")
+    s.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="export one OpenTelemetry span per request over OTLP/HTTP (needs opentelemetry-sdk)")
+    s.add_argument("--profiler-port", type=int, metavar="PORT",
+                   help="start jax.profiler's server for XProf / TensorBoard capture on this port")
     s.set_defaults(func=_cmd_serve)
 
     h = sub.add_parser("chat", help="chat in the terminal with a running server (streams the answers)")

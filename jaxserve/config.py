@@ -345,6 +345,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
+    admin_api_keys: tuple[str, ...] = ()  # may also call POST /debug/profile (off while empty)
+    profile_dir: str = "profiles"  # where /debug/profile writes its traces
     max_body_bytes: int = 4 * 2**20
     max_n: int = 8
     max_tokens_limit: int | None = None  # the most max_tokens a request may ask for (and the default cap)
@@ -355,6 +357,7 @@ class ServerConfig:
         if isinstance(self.admission, dict):
             object.__setattr__(self, "admission", _build(AdmissionConfig, self.admission, "[server.admission]"))
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        object.__setattr__(self, "admin_api_keys", tuple(self.admin_api_keys))
         object.__setattr__(self, "models", tuple(m if isinstance(m, ModelSpec) else ModelSpec(**m)
                                                  for m in self.models))
         if not 0 <= self.port < 65536:
@@ -365,8 +368,8 @@ class ServerConfig:
             raise ConfigError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         if self.max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
-        if any(not k for k in self.api_keys):
-            raise ConfigError("api_keys must not contain an empty key")
+        if any(not k for k in (*self.api_keys, *self.admin_api_keys)):
+            raise ConfigError("api_keys and admin_api_keys must not contain an empty key")
         names = [m.served_name for m in self.models]
         if len(names) != len(set(names)):
             raise ConfigError(f"two models share a served name: {names}")

@@ -24,6 +24,7 @@ import json
 import logging
 import time
 import uuid
+from pathlib import Path
 from typing import AsyncIterator
 
 from sse_starlette.sse import EventSourceResponse
@@ -42,6 +43,7 @@ from jaxserve.serving import protocol as P
 from jaxserve.serving.admission import Admission, Ticket
 from jaxserve.serving.protocol import APIError
 from jaxserve.serving.registry import ModelRegistry, ServedModel
+from jaxserve.serving.tracing import REQUEST_ID, RequestSpan, request_id_from
 from jaxserve.tokenizer import ChatTemplateError
 
 log = logging.getLogger(__name__)
@@ -185,28 +187,52 @@ class Responder:
     """Writes one request's response, chat or completion, streamed or whole."""
 
     def __init__(self, served: ServedModel, req: P.GenerationRequest, rid: str, prompt_lens: list[int],
-                 admission: Admission | None = None, ticket: Ticket | None = None):
+                 admission: Admission | None = None, ticket: Ticket | None = None, span: RequestSpan | None = None):
         self.served, self.req, self.rid = served, req, rid
         self.admission, self.ticket = admission, ticket
+        self.span = span or RequestSpan(None, "", None, {})
         self.generated = 0  # tokens generated so far, all choices (for the key's token quota)
+        self.finish_reasons: dict[int, str] = {}
+        self.num_choices = len(prompt_lens) * req.n
+        # Engine ids are unique even when clients reuse an X-Request-Id (retries do).
+        self.engine_rid = f"{rid}-{uuid.uuid4().hex[:8]}"
+        self.error: str | None = None
+        self.started = time.monotonic()
         self.prompt_tokens = sum(prompt_lens)
         tok = served.engine.tokenizer
         self.fmt = P.LogprobFormatter(lambda i: tok.decode([i], skip_special_tokens=False))
         self.created = int(time.time())
 
     async def _events(self, choices: list[Choice]) -> AsyncIterator[tuple[int, TokenEvent | Exception]]:
-        """run_choices, telling admission when the first token arrives."""
-        async for index, item in run_choices(self.served.runner, choices, self.rid):
+        """run_choices, telling admission and the span when the first token arrives."""
+        async for index, item in run_choices(self.served.runner, choices, self.engine_rid):
             if isinstance(item, TokenEvent):
+                if item.token_ids and not self.generated:
+                    self.span.event("first_token")
+                    if self.ticket is not None:
+                        self.admission.started(self.ticket)
                 self.generated += len(item.token_ids)
-                if self.ticket is not None and item.token_ids:
-                    self.admission.started(self.ticket)
+                if item.finished:
+                    self.finish_reasons[index] = item.finish_reason
+                if item.error:
+                    self.error = item.error
+            else:
+                self.error = f"{type(item).__name__}: {item}"
             yield index, item
 
     def release(self) -> None:
-        """The request is over (answered, failed or abandoned): give back its admission share."""
+        """The request is over (answered, failed or abandoned): give back its admission share,
+        log it, end its span."""
         if self.ticket is not None:
             self.admission.release(self.ticket, self.generated)
+            self.ticket = None
+        reasons = [self.finish_reasons.get(i, "abort") for i in range(self.num_choices)]
+        log.info("finished: %s, %d prompt + %d generated tokens in %.3f s", ",".join(sorted(set(reasons))),
+                 self.prompt_tokens, self.generated, time.monotonic() - self.started)
+        self.span.set({"gen_ai.usage.input_tokens": self.prompt_tokens, "gen_ai.usage.output_tokens": self.generated,
+                       "gen_ai.response.finish_reasons": reasons})
+        self.span.event("finished")
+        self.span.end(self.error)
 
     def _logprobs(self, records: list[dict], offset: int = 0) -> dict | None:
         if self.req.logprobs is None:
@@ -314,10 +340,31 @@ async def _until_disconnected(request: Request) -> None:
             return
 
 
+async def profile_traffic(root: Path, seconds: float) -> Path:
+    """jax.profiler.trace of whatever the engines do for `seconds`, into a new directory under
+    `root` (XProf / TensorBoard read its .xplane.pb; Perfetto its perfetto_trace.json.gz)."""
+    import jax
+
+    path = (root / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.profiler.start_trace(str(path), create_perfetto_trace=True)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        await asyncio.to_thread(jax.profiler.stop_trace)
+    return path
+
+
 # The application ----------------------------------------------------------------------
 
-def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bool = True) -> Starlette:
-    keys = [k.encode() for k in cfg.api_keys]
+def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bool = True,
+              tracer=None) -> Starlette:
+    """The Starlette app; `tracer` is an OpenTelemetry tracer (tracing.otlp_tracer) or None."""
+    # With api_keys every route but the open ones needs a key (an admin key will do); without,
+    # only /debug/profile does, and it checks its admin key itself.
+    keys = [k.encode() for k in (*cfg.api_keys, *cfg.admin_api_keys)] if cfg.api_keys else []
+    admin_keys = [k.encode() for k in cfg.admin_api_keys]
+    profiling = asyncio.Lock()
     admission = Admission(cfg.admission)
     metrics = Metrics()
     registry.attach_metrics(metrics)
@@ -338,18 +385,23 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         """Authentication, a request id, and APIError -> an OpenAI-shaped JSON error."""
 
         async def wrapped(request: Request):
-            rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+            rid = request_id_from(request.headers.get("x-request-id"))
+            REQUEST_ID.set(rid)  # each request runs in its own task, so its own context
             if not authorized(request):
                 return error_response(APIError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
                                                code="invalid_api_key"), rid)
             try:
                 response = await handler(request, rid)
             except APIError as e:
-                return error_response(e, rid)
+                response = error_response(e, rid)
             except Exception as e:  # noqa: BLE001 - one failing request answers 500, the server keeps serving
                 log.exception("request %s failed", rid)
-                return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"), rid)
+                response = error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"), rid)
             response.headers["X-Request-Id"] = rid
+            span = getattr(request.state, "span", None)
+            traceparent = span.traceparent() if span is not None else request.headers.get("traceparent")
+            if traceparent:
+                response.headers["traceparent"] = traceparent
             return response
 
         return wrapped
@@ -378,13 +430,26 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         req = P.parse_generation(body, chat=chat, max_n=cfg.max_n)
         req = _with_header_timeout(req, request.headers.get("x-request-timeout"))
         req = _resolve_priority(req, request.headers.get("x-priority"), cfg)
-        served = registry.get(req.model)
-        choices, prompt_lens = plan_choices(served, req, cfg.max_tokens_limit, arrival)
-        ticket = admission.admit(model=served.name, key=_api_key(request), priority=req.priority,
-                                 seqs=len(choices), prompt_tokens=sum(len(c.prompt_ids) for c in choices),
-                                 max_new_tokens=sum(c.params.max_tokens for c in choices),
-                                 pool_tokens=served.engine.pool.num_pages * served.engine.pool.page_size)
-        responder = Responder(served, req, rid, prompt_lens, admission, ticket)
+        operation = "chat" if chat else "text_completion"
+        span = RequestSpan(tracer, f"{operation} {req.model or registry.names[0]}", request.headers.get("traceparent"),
+                           {"gen_ai.operation.name": operation, "gen_ai.request.model": req.model or registry.names[0],
+                            "jaxserve.request_id": rid, "jaxserve.priority": req.priority, "jaxserve.n": req.n,
+                            "gen_ai.request.max_tokens": req.max_tokens or 0, "jaxserve.stream": req.stream})
+        request.state.span = span
+        try:
+            served = registry.get(req.model)
+            choices, prompt_lens = plan_choices(served, req, cfg.max_tokens_limit, arrival)
+            ticket = admission.admit(model=served.name, key=_api_key(request), priority=req.priority,
+                                     seqs=len(choices), prompt_tokens=sum(len(c.prompt_ids) for c in choices),
+                                     max_new_tokens=sum(c.params.max_tokens for c in choices),
+                                     pool_tokens=served.engine.pool.num_pages * served.engine.pool.page_size)
+        except APIError as e:
+            span.end(f"{e.status} {e.code}: {e.message}")
+            raise
+        span.event("queued")
+        log.info("%s %s: %d choice(s), %d prompt tokens, priority %d", request.method, request.url.path,
+                 len(choices), sum(prompt_lens), req.priority)
+        responder = Responder(served, req, rid, prompt_lens, admission, ticket, span)
         if req.stream:  # the background task runs once the stream ends, the client gone or not
             return EventSourceResponse(responder.stream(choices), ping=15, background=BackgroundTask(responder.release))
         work = asyncio.ensure_future(responder.whole(choices))
@@ -400,6 +465,28 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
                     await work
                 log.info("request %s: client disconnected, aborted", rid)
         return JSONResponse(work.result())
+
+    async def profile(request: Request, rid: str):
+        """Capture an XLA profiler trace of live traffic for `seconds` (admin keys only)."""
+        if not admin_keys:
+            raise APIError(404, "profiling is off: set [server] admin_api_keys", code="not_found")
+        token = _api_key(request).encode()
+        if not any(hmac.compare_digest(token, k) for k in admin_keys):
+            raise APIError(403, "POST /debug/profile needs an admin API key", code="permission_denied",
+                           type="permission_error")
+        try:
+            seconds = float(request.query_params.get("seconds", "5"))
+        except ValueError:
+            seconds = float("nan")
+        if not 0 < seconds <= 600:
+            raise P.bad("'seconds' must be a number in (0, 600]", param="seconds", code="invalid_value")
+        if profiling.locked():
+            raise APIError(409, "a profile is already being captured", code="profile_in_progress", type="conflict")
+        async with profiling:
+            path = await profile_traffic(Path(cfg.profile_dir), seconds)
+        log.info("profile of %.1f s written to %s", seconds, path)
+        return JSONResponse({"path": str(path), "seconds": seconds,
+                             "files": sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file())})
 
     async def prometheus(request: Request, rid: str):
         return Response(metrics.render(), media_type=CONTENT_TYPE)
@@ -429,6 +516,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         Route("/version", api(version), methods=["GET"]),
         Route("/stats", api(stats), methods=["GET"]),
         Route("/metrics", api(prometheus), methods=["GET"]),
+        Route("/debug/profile", api(profile), methods=["POST"]),
         Route("/v1/models", api(models), methods=["GET"]),
         Route("/v1/chat/completions", api(chat_completions), methods=["POST"]),
         Route("/v1/completions", api(completions), methods=["POST"]),
@@ -439,10 +527,12 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
     return app
 
 
-def serve(cfg: ServerConfig, engine_config, *, log_level: str = "info") -> None:
-    """Start uvicorn on cfg.host:cfg.port; the models load in the background (see /health)."""
+def serve(cfg: ServerConfig, engine_config, *, log_level: str = "info", tracer=None) -> None:
+    """Start uvicorn on cfg.host:cfg.port; the models load in the background (see /health).
+    Logging is the caller's (tracing.configure_logging), so uvicorn's own config is off."""
     import uvicorn
 
     registry = ModelRegistry(cfg.models, engine_config)
-    app = build_app(registry, cfg)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level, timeout_graceful_shutdown=5)
+    app = build_app(registry, cfg, tracer=tracer)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level, log_config=None,
+                timeout_graceful_shutdown=5)
