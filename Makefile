@@ -19,17 +19,18 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
-# Debian's Prometheus, for the test that scrapes a live server with a real one.
-/usr/bin/prometheus:
-	apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1 || \
-	  { apt-get update -qq && apt-get install -y --no-install-recommends prometheus >/dev/null; }
+# Debian's Prometheus and Chromium, for the tests that scrape a live server with a real
+# Prometheus and load its dashboard in a real browser.
+/usr/bin/prometheus /usr/bin/chromium:
+	apt-get install -y --no-install-recommends $(notdir $@) >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y --no-install-recommends $(notdir $@) >/dev/null; }
 
 $(VENV)/.installed-bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'
 	touch $@
 
 install: $(VENV)/.installed
-install-test: $(VENV)/.installed-test /usr/bin/prometheus
+install-test: $(VENV)/.installed-test /usr/bin/prometheus /usr/bin/chromium
 install-bench: $(VENV)/.installed-bench
 
 $(MODEL)/params: $(VENV)/.installed

@@ -172,6 +172,7 @@ class StateCollector(Collector):
             rejected.add_metric([reason], n)
         yield from (running, waiting, swapped, kv, pages, swap, preempt, by_mode, compiled, rejected)
         yield from _device_memory()
+        yield from _nvml()
 
 
 def _device_memory() -> Iterable:
@@ -188,3 +189,30 @@ def _device_memory() -> Iterable:
             seen = True
     if seen:
         yield family
+
+
+_NVML: list = []  # [module] once nvmlInit succeeded, [None] once it failed: tried once per process
+
+
+def _nvml() -> Iterable:
+    """GPU utilisation and memory through NVML, when nvidia-ml-py is installed and a GPU is
+    there; nothing at all otherwise (no error, no empty family)."""
+    if not _NVML:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            _NVML.append(pynvml)
+        except Exception:  # noqa: BLE001 - no library, no driver or no GPU: the metric is simply absent
+            _NVML.append(None)
+    nvml = _NVML[0]
+    if nvml is None:
+        return
+    util = GaugeMetricFamily("jaxserve:gpu_utilization_perc", "GPU busy time over NVML's last sample period (0-1).",
+                             labels=["gpu"])
+    mem = GaugeMetricFamily("jaxserve:gpu_memory_used_bytes", "GPU memory in use (NVML).", labels=["gpu"])
+    for i in range(nvml.nvmlDeviceGetCount()):
+        handle = nvml.nvmlDeviceGetHandleByIndex(i)
+        util.add_metric([str(i)], nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100)
+        mem.add_metric([str(i)], nvml.nvmlDeviceGetMemoryInfo(handle).used)
+    yield from (util, mem)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -547,3 +548,73 @@ def test_a_real_prometheus_scrapes_ttft_quantiles_and_kv_usage(server, model, tm
     upper = min(b for b in (*TTFT_BUCKETS, INF) if b >= max(ttfts))
     assert 0 < q50 <= upper, (q50, sorted(ttfts))
     assert 0 < kv_max <= 1 and kv_now == 0
+
+
+def test_the_dashboard_updates_live_in_headless_chromium(server, tmp_path):
+    """Debian's Chromium (driven by Playwright) loads /dashboard while 6 streams run: the
+    page's charts gain points every second, tokens/s goes above 0 and running above 0 while
+    they run, the screenshot is a real PNG, and every request the page made went to this
+    server."""
+    from playwright.sync_api import sync_playwright
+
+    stop = threading.Event()
+
+    def traffic():
+        with httpx.Client(timeout=120) as c:
+            while not stop.is_set():
+                c.post(f"{server.url}/v1/chat/completions", json={
+                    "messages": QUESTION, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+
+    urls: list[str] = []
+    workers = [threading.Thread(target=traffic) for _ in range(6)]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        try:
+            # bypass_csp: Playwright evaluates its checks as strings, which the page's CSP forbids
+            page = browser.new_page(viewport={"width": 1200, "height": 800}, bypass_csp=True)
+            page.on("request", lambda r: urls.append(r.url))
+            page.goto(f"{server.url}/dashboard")
+            page.wait_for_function("window.dashboard && window.dashboard.samples >= 2", timeout=30_000)
+            for w in workers:
+                w.start()
+            page.wait_for_function("""() => {
+                const s = window.dashboard.series;
+                return s['tokens/s'].some(v => v > 0) && s['running'].some(v => v > 0)
+                    && s['TTFT p50'].some(v => v > 0);
+            }""", timeout=60_000)
+            before = page.evaluate("window.dashboard.samples")
+            page.wait_for_function(f"window.dashboard.samples >= {before + 2}", timeout=30_000)
+            shot = tmp_path / "dashboard.png"
+            page.screenshot(path=str(shot), full_page=True)
+            text = page.inner_text("body")
+            kv = page.inner_text("#stat-kv")
+        finally:
+            stop.set()
+            for w in workers:
+                if w.is_alive():
+                    w.join()
+            browser.close()
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    assert "smollm2" in text and kv.endswith("%")
+    assert urls and all(u.startswith(server.url + "/") for u in urls), [u for u in urls if not u.startswith(server.url)]
+    assert any(u.endswith("/metrics") for u in urls)
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_server_exports(server):
+    """configs/grafana-dashboard.json: every metric name in its PromQL is one a live /metrics has."""
+    import re
+    from pathlib import Path
+
+    board = json.loads((Path(__file__).parent.parent / "configs" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in board["panels"] for t in panel.get("targets", [])]
+    assert len(exprs) >= 8
+    names = {name for e in exprs for name in re.findall(r"\b((?:vllm|jaxserve):[a-z0-9_]+)", e)}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = list(text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=10).text))
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    exported = {f.name + x for f in families for x in suffixes.get(f.type, ())}  # declared, sampled or not yet
+    missing = sorted(n for n in names if n not in exported)
+    assert not missing, missing

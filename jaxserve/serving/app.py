@@ -32,7 +32,7 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from jaxserve.config import ConfigError, ServerConfig
@@ -48,7 +48,8 @@ from jaxserve.tokenizer import ChatTemplateError
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/version", "/metrics")  # as vLLM: scrapers carry no API key
+OPEN_PATHS = ("/health", "/version", "/metrics", "/dashboard")  # as vLLM: scrapers carry no API key
+DASHBOARD = Path(__file__).with_name("dashboard.html")  # self-contained: it only fetches /metrics
 
 
 def _version() -> str:
@@ -491,6 +492,12 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
     async def prometheus(request: Request, rid: str):
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    dashboard_html = DASHBOARD.read_text()
+
+    async def dashboard(request: Request, rid: str):
+        return HTMLResponse(dashboard_html, headers={"Content-Security-Policy": "default-src 'self'; "
+                                                     "script-src 'unsafe-inline'; style-src 'unsafe-inline'"})
+
     async def chat_completions(request: Request, rid: str):
         return await generation(request, rid, chat=True)
 
@@ -517,6 +524,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         Route("/stats", api(stats), methods=["GET"]),
         Route("/metrics", api(prometheus), methods=["GET"]),
         Route("/debug/profile", api(profile), methods=["POST"]),
+        Route("/dashboard", api(dashboard), methods=["GET"]),
         Route("/v1/models", api(models), methods=["GET"]),
         Route("/v1/chat/completions", api(chat_completions), methods=["POST"]),
         Route("/v1/completions", api(completions), methods=["POST"]),
