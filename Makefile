@@ -22,8 +22,8 @@ $(VENV)/.installed-test: $(VENV)/.installed
 # Debian's Prometheus and Chromium, for the tests that scrape a live server with a real
 # Prometheus and load its dashboard in a real browser.
 /usr/bin/prometheus /usr/bin/chromium:
-	apt-get install -y --no-install-recommends $(notdir $@) >/dev/null 2>&1 || \
-	  { apt-get update -qq && apt-get install -y --no-install-recommends $(notdir $@) >/dev/null; }
+	DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(notdir $@) >/dev/null 2>&1 || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(notdir $@) >/dev/null; }
 
 $(VENV)/.installed-bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'
