@@ -148,6 +148,8 @@ class StateCollector(Collector):
         by_mode = CounterMetricFamily("jaxserve:preemptions", "Preemptions by mode.", labels=["model_name", "mode"])
         compiled = GaugeMetricFamily("jaxserve:compile_seconds", "Seconds spent compiling the step buckets.",
                                      labels=["model_name"])
+        executables = GaugeMetricFamily("jaxserve:compiled_steps", "Step shapes compiled (buckets) so far.",
+                                        labels=["model_name"])
         for name, get in self.sources.items():
             engine = get()
             if engine is None:
@@ -166,11 +168,12 @@ class StateCollector(Collector):
             for mode, n in counts.items():
                 by_mode.add_metric([name, mode], n)
             compiled.add_metric([name], engine.compile_seconds)
+            executables.add_metric([name], engine.runner.num_compiled)
         rejected = CounterMetricFamily("vllm:admission_rejections", "Requests refused at admission, by reason.",
                                        labels=["reason"])
         for reason, n in sorted(self.rejections().items()):
             rejected.add_metric([reason], n)
-        yield from (running, waiting, swapped, kv, pages, swap, preempt, by_mode, compiled, rejected)
+        yield from (running, waiting, swapped, kv, pages, swap, preempt, by_mode, compiled, executables, rejected)
         yield from _device_memory()
         yield from _nvml()
 

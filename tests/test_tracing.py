@@ -106,7 +106,8 @@ def test_traceparent_parents_the_span_and_the_request_id_is_everywhere(traced, s
     assert f"{span.context.trace_id:032x}" == TRACE_ID
     assert span.parent is not None and f"{span.parent.span_id:016x}" == PARENT_ID and span.parent.is_remote
     assert r.headers["traceparent"] == f"00-{TRACE_ID}-{span.context.span_id:016x}-01"
-    assert [e.name for e in span.events] == ["queued", "first_token", "finished"]
+    events = sorted(span.events, key=lambda e: e.timestamp)
+    assert [e.name for e in events] == ["queued", "scheduled", "first_token", "finished"]
     assert span.attributes["gen_ai.request.model"] == "tiny"
     assert span.attributes["gen_ai.operation.name"] == "text_completion"
     assert span.attributes["gen_ai.usage.input_tokens"] == 4 and span.attributes["gen_ai.usage.output_tokens"] == 3
@@ -140,6 +141,42 @@ def test_a_refused_request_ends_its_span_with_an_error(traced):
     assert r.status_code == 400
     [span] = spans_of(exporter, "too-long-1")
     assert span.status.status_code.name == "ERROR" and "400" in span.status.description
+
+
+def test_a_preempted_request_has_a_preempted_event(traced):
+    """4 batch requests (priority 10) fill the 4 slots; an interactive one (priority 0) takes
+    the latest one's slot: that span has a `preempted` event between `scheduled` and
+    `finished`, and the interactive span has none."""
+    url, exporter, _ = traced
+
+    def body(priority):
+        return {"prompt": [5, 6, 7, 8], "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+                "priority": priority}
+
+    results = {}
+
+    def batch(i):
+        results[i] = httpx.post(f"{url}/v1/completions", headers={"X-Request-Id": f"batch-{i}"}, json=body(10),
+                                timeout=120)
+
+    workers = [threading.Thread(target=batch, args=(i,)) for i in range(4)]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + 30
+    while next(iter(httpx.get(f"{url}/stats", timeout=5).json()["models"].values()))["running"] < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    urgent = httpx.post(f"{url}/v1/completions", headers={"X-Request-Id": "urgent"}, json=body(0), timeout=120)
+    for w in workers:
+        w.join()
+    assert urgent.status_code == 200 and all(r.status_code == 200 for r in results.values())
+    [span] = spans_of(exporter, "urgent")
+    assert "preempted" not in [e.name for e in span.events]
+    preempted = [s for i in range(4) for s in spans_of(exporter, f"batch-{i}")
+                 if "preempted" in [e.name for e in s.events]]
+    assert len(preempted) == 1
+    names = [e.name for e in sorted(preempted[0].events, key=lambda e: e.timestamp)]
+    assert names.index("scheduled") < names.index("preempted") < names.index("finished")
 
 
 def test_a_profile_of_live_traffic_holds_the_prefill_and_decode_scopes(traced):

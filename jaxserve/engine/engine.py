@@ -289,10 +289,13 @@ class Engine:
     def _event(self, seq: Sequence, token_ids, text, reason, logprobs=None, error=None) -> TokenEvent:
         if seq.is_finished and self.metrics is not None:  # every way a request ends comes through here
             self.metrics.finished(seq, time.monotonic())
+        done = seq.is_finished
         return TokenEvent(request_id=seq.request_id, token_ids=token_ids, text=text,
-                          finished=seq.is_finished, finish_reason=seq.finish_reason if seq.is_finished else reason,
+                          finished=done, finish_reason=seq.finish_reason if done else reason,
                           logprobs=[logprobs] if logprobs else None, prompt_tokens=len(seq.prompt_ids),
-                          completion_tokens=len(seq.output_ids), error=error)
+                          completion_tokens=len(seq.output_ids), error=error,
+                          scheduled_at=seq.scheduled_at if done else None,
+                          preempted_at=tuple(seq.preempted_at) if done else ())
 
     def run_until_done(self) -> list[TokenEvent]:
         events = []

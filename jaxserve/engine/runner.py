@@ -223,6 +223,11 @@ class ModelRunner:
 
     # One step -------------------------------------------------------------------------
 
+    @property
+    def num_compiled(self) -> int:
+        """Step executables compiled so far (warm-up compiles every bucket; a cold runner on demand)."""
+        return len(self._executables)
+
     def run(self, items: list[ScheduledItem], decode: bool) -> StepResult:
         """Pad `items` into a bucket, run the step, bring the sampled tokens back to the host.
         In a profile the whole of it is one `jaxserve.decode` or `jaxserve.prefill` scope."""

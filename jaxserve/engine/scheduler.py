@@ -37,6 +37,7 @@ The scheduler only decides: it lists the copies in the batch (`swap_out` before
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable
 
 from jaxserve.engine.pages import PagePool
@@ -129,6 +130,7 @@ class Scheduler:
             self._park(seq, seq.swap_pages)
             return
         seq.num_preemptions += 1
+        seq.preempted_at.append(time.monotonic())
         mode = self._mode_for(seq)
         self.preemptions[mode] += 1
         if mode == "swap":

@@ -79,6 +79,10 @@ class TokenEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    # On the finishing event only (for the request's trace): time.monotonic() of its first
+    # step and of each preemption.
+    scheduled_at: float | None = None
+    preempted_at: tuple[float, ...] = ()
 
 
 class Sequence:
@@ -115,6 +119,7 @@ class Sequence:
         self.scheduled_at: float | None = None
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.preempted_at: list[float] = []
 
     @property
     def tokens(self) -> list[int]:

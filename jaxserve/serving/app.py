@@ -215,11 +215,19 @@ class Responder:
                 self.generated += len(item.token_ids)
                 if item.finished:
                     self.finish_reasons[index] = item.finish_reason
+                    self._trace_engine_events(index, item)
                 if item.error:
                     self.error = item.error
             else:
                 self.error = f"{type(item).__name__}: {item}"
             yield index, item
+
+    def _trace_engine_events(self, index: int, ev: TokenEvent) -> None:
+        """What happened inside the engine, stamped with the engine's own times."""
+        if ev.scheduled_at is not None:
+            self.span.event("scheduled", at=ev.scheduled_at, choice=index)
+        for t in ev.preempted_at:
+            self.span.event("preempted", at=t, choice=index)
 
     def release(self) -> None:
         """The request is over (answered, failed or abandoned): give back its admission share,

@@ -6,7 +6,8 @@
                  contextvar, so concurrent requests never mix).
     trace        with OpenTelemetry (`opentelemetry-sdk` installed and a tracer given), one
                  span per request, parented by the client's `traceparent`, with events
-                 `queued`, `first_token`, `finished` and `gen_ai.*` attributes; the response
+                 `queued`, `scheduled`, `first_token`, `preempted` (each time), `finished`
+                 and `gen_ai.*` attributes; the response
                  carries the span's own `traceparent`. Without it, an incoming `traceparent`
                  is echoed back unchanged so callers can still join their logs.
 
@@ -96,9 +97,11 @@ class RequestSpan:
         parent = TraceContextTextMapPropagator().extract({"traceparent": traceparent} if traceparent else {})
         self.span = tracer.start_span(name, context=parent, attributes=attributes)
 
-    def event(self, name: str, **attributes) -> None:
+    def event(self, name: str, at: float | None = None, **attributes) -> None:
+        """Add an event now, or at `at` (a time.monotonic() reading from the engine)."""
         if self.span is not None:
-            self.span.add_event(name, attributes)
+            stamp = None if at is None else time.time_ns() - int((time.monotonic() - at) * 1e9)
+            self.span.add_event(name, attributes, timestamp=stamp)
 
     def set(self, attributes: dict) -> None:
         if self.span is not None:
