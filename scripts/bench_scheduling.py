@@ -133,12 +133,13 @@ async def priority_run(url: str, tok, n_interactive: int, n_batch: int) -> dict:
 
 def priority_markdown(runs: dict[str, dict], cmd: str) -> str:
     rows = ["| preemption mode | idle TTFT p50 / p99 (ms) | TTFT under batch load p50 / p99 (ms) | "
-            "p99 / idle p50 | waiting batch requests while measured | preemptions (recompute, swap) |",
-            "|---|---|---|---|---|---|"]
+            "p99 / idle p99 | p99 / idle p50 | waiting batch requests while measured | preemptions (recompute, swap) |",
+            "|---|---|---|---|---|---|---|"]
     for mode, r in runs.items():
         idle50 = pct(r["idle"], 50)
         rows.append(f"| {mode} | {idle50 * 1e3:.0f} / {pct(r['idle'], 99) * 1e3:.0f} | "
                     f"{pct(r['loaded'], 50) * 1e3:.0f} / {pct(r['loaded'], 99) * 1e3:.0f} | "
+                    f"{pct(r['loaded'], 99) / pct(r['idle'], 99):.2f} | "
                     f"{pct(r['loaded'], 99) / idle50:.2f} | {min(r['waiting_seen'])}-{max(r['waiting_seen'])} | "
                     f"{r['preemptions']['recompute']}, {r['preemptions']['swap']} |")
     return "\n".join([f"`{cmd}`", "", *rows])
