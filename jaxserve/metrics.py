@@ -121,14 +121,14 @@ class EngineMetrics:
 class StateCollector(Collector):
     """Gauges and totals read from live objects at scrape time.
 
-    `sources` maps a model name to a callable returning that model's engine (None while
-    it loads); `rejections` returns the admission refusals by reason. Reading the
-    engine's queue lengths and page counts from the scrape thread is safe: they are
-    plain ints and list lengths, read once each.
+    `sources` maps a model name to its serving.registry.ServedModel, whose `stats()` are
+    the numbers (skipped while it loads); `rejections` returns the admission refusals by
+    reason. Reading the engine's queue lengths and page counts from the scrape thread is
+    safe: they are plain ints and list lengths, read once each.
     """
 
     def __init__(self):
-        self.sources: dict[str, Callable[[], object]] = {}
+        self.sources: dict[str, object] = {}
         self.rejections: Callable[[], dict[str, int]] = dict
 
     def collect(self) -> Iterable:
@@ -150,22 +150,20 @@ class StateCollector(Collector):
                                      labels=["model_name"])
         executables = GaugeMetricFamily("jaxserve:compiled_steps", "Step shapes compiled (buckets) so far.",
                                         labels=["model_name"])
-        for name, get in self.sources.items():
-            engine = get()
-            if engine is None:
+        for name, served in self.sources.items():
+            st = served.stats()
+            if not st["ready"]:
                 continue
-            sched, pool = engine.scheduler, engine.pool
-            running.add_metric([name], len(sched.running))
-            waiting.add_metric([name], len(sched.waiting))
-            swapped.add_metric([name], len(sched.swapped))
-            used = pool.num_used
-            kv.add_metric([name], used / pool.num_pages)
-            pages.add_metric([name, "used"], used)
-            pages.add_metric([name, "free"], pool.num_pages - used)
-            swap.add_metric([name], sched.swap_used * engine.page_bytes)
-            counts = dict(sched.preemptions)
-            preempt.add_metric([name], sum(counts.values()))
-            for mode, n in counts.items():
+            engine = served.engine
+            running.add_metric([name], st["running"])
+            waiting.add_metric([name], st["waiting"])
+            swapped.add_metric([name], st["swapped"])
+            kv.add_metric([name], st["pages_used"] / st["pages_total"])
+            pages.add_metric([name, "used"], st["pages_used"])
+            pages.add_metric([name, "free"], st["pages_total"] - st["pages_used"])
+            swap.add_metric([name], st["swap_pages_used"] * engine.page_bytes)
+            preempt.add_metric([name], sum(st["preemptions"].values()))
+            for mode, n in st["preemptions"].items():
                 by_mode.add_metric([name, mode], n)
             compiled.add_metric([name], engine.compile_seconds)
             executables.add_metric([name], engine.runner.num_compiled)

@@ -36,6 +36,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench_latency import pct  # noqa: E402  (scripts/ is on sys.path: it holds this script)
 from server_proc import ServerProcess  # noqa: E402
 
 from jaxserve.bench.client import send  # noqa: E402
@@ -68,11 +69,6 @@ prefill_length_buckets = [64, 256, 512]
 {budget}
 compilation_cache_dir = "{cache}"
 """
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
 def _ok(rec, what: str):

@@ -133,7 +133,7 @@ class Engine:
     @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt + output) one request may hold: the context length or the whole pool."""
-        return min(self.config.max_model_len, self.pool.num_pages * self.pool.page_size)
+        return min(self.config.max_model_len, self.pool.num_tokens)
 
     def check_request(self, ids: list[int], max_tokens: int) -> None:
         """Raise InvalidRequest unless a prompt of `ids` with `max_tokens` can ever be served.
@@ -150,7 +150,7 @@ class Engine:
         if len(ids) + max_tokens > limit:
             raise InvalidRequest(f"this model's maximum context length is {limit} tokens; the prompt has "
                                  f"{len(ids)} tokens and max_tokens is {max_tokens}")
-        capacity = self.pool.num_pages * self.pool.page_size
+        capacity = self.pool.num_tokens
         if len(ids) + max_tokens > capacity:
             raise InvalidRequest(f"the KV cache holds {capacity} tokens; the prompt has {len(ids)} tokens and "
                                  f"max_tokens is {max_tokens}")
@@ -287,9 +287,9 @@ class Engine:
         return self._event(seq, [token], new_text, reason, logprobs=logprobs)
 
     def _event(self, seq: Sequence, token_ids, text, reason, logprobs=None, error=None) -> TokenEvent:
-        if seq.is_finished and self.metrics is not None:  # every way a request ends comes through here
-            self.metrics.finished(seq, time.monotonic())
         done = seq.is_finished
+        if done and self.metrics is not None:  # every way a request ends comes through here
+            self.metrics.finished(seq, time.monotonic())
         return TokenEvent(request_id=seq.request_id, token_ids=token_ids, text=text,
                           finished=done, finish_reason=seq.finish_reason if done else reason,
                           logprobs=[logprobs] if logprobs else None, prompt_tokens=len(seq.prompt_ids),

@@ -49,6 +49,11 @@ class PagePool:
         return self.num_pages - len(self._free)
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens the whole pool holds: the most one request could ever use."""
+        return self.num_pages * self.page_size
+
+    @property
     def usage(self) -> float:
         return self.num_used / self.num_pages
 

@@ -233,8 +233,7 @@ class Responder:
         """The request is over (answered, failed or abandoned): give back its admission share,
         log it, end its span."""
         if self.ticket is not None:
-            self.admission.release(self.ticket, self.generated)
-            self.ticket = None
+            self.admission.release(self.ticket, self.generated)  # idempotent
         reasons = [self.finish_reasons.get(i, "abort") for i in range(self.num_choices)]
         log.info("finished: %s, %d prompt + %d generated tokens in %.3f s", ",".join(sorted(set(reasons))),
                  self.prompt_tokens, self.generated, time.monotonic() - self.started)
@@ -328,6 +327,15 @@ def _api_key(request: Request) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
+def _holds_key(request: Request, keys: list[bytes]) -> bool:
+    """The request's bearer token is one of `keys`, compared with every key in constant time."""
+    token = _api_key(request).encode()
+    ok = False
+    for k in keys:
+        ok |= hmac.compare_digest(token, k)
+    return ok and bool(token)
+
+
 def _with_header_timeout(req: P.GenerationRequest, header: str | None) -> P.GenerationRequest:
     """`X-Request-Timeout: SECONDS` sets the deadline when the body does not."""
     if header is None or req.timeout is not None:
@@ -380,15 +388,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
     metrics.state.rejections = lambda: dict(admission.rejections)
 
     def authorized(request: Request) -> bool:
-        if not keys or request.url.path in OPEN_PATHS:
-            return True
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        token = token.strip().encode()
-        ok = False
-        for k in keys:  # compare against every key, in constant time each
-            ok |= hmac.compare_digest(token, k)
-        return ok and scheme.lower() == "bearer"
+        return not keys or request.url.path in OPEN_PATHS or _holds_key(request, keys)
 
     def api(handler):
         """Authentication, a request id, and APIError -> an OpenAI-shaped JSON error."""
@@ -439,9 +439,9 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         req = P.parse_generation(body, chat=chat, max_n=cfg.max_n)
         req = _with_header_timeout(req, request.headers.get("x-request-timeout"))
         req = _resolve_priority(req, request.headers.get("x-priority"), cfg)
-        operation = "chat" if chat else "text_completion"
-        span = RequestSpan(tracer, f"{operation} {req.model or registry.names[0]}", request.headers.get("traceparent"),
-                           {"gen_ai.operation.name": operation, "gen_ai.request.model": req.model or registry.names[0],
+        operation, model = ("chat" if chat else "text_completion"), req.model or registry.names[0]
+        span = RequestSpan(tracer, f"{operation} {model}", request.headers.get("traceparent"),
+                           {"gen_ai.operation.name": operation, "gen_ai.request.model": model,
                             "jaxserve.request_id": rid, "jaxserve.priority": req.priority, "jaxserve.n": req.n,
                             "gen_ai.request.max_tokens": req.max_tokens or 0, "jaxserve.stream": req.stream})
         request.state.span = span
@@ -451,7 +451,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
             ticket = admission.admit(model=served.name, key=_api_key(request), priority=req.priority,
                                      seqs=len(choices), prompt_tokens=sum(len(c.prompt_ids) for c in choices),
                                      max_new_tokens=sum(c.params.max_tokens for c in choices),
-                                     pool_tokens=served.engine.pool.num_pages * served.engine.pool.page_size)
+                                     pool_tokens=served.engine.pool.num_tokens)
         except APIError as e:
             span.end(f"{e.status} {e.code}: {e.message}")
             raise
@@ -479,8 +479,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         """Capture an XLA profiler trace of live traffic for `seconds` (admin keys only)."""
         if not admin_keys:
             raise APIError(404, "profiling is off: set [server] admin_api_keys", code="not_found")
-        token = _api_key(request).encode()
-        if not any(hmac.compare_digest(token, k) for k in admin_keys):
+        if not _holds_key(request, admin_keys):
             raise APIError(403, "POST /debug/profile needs an admin API key", code="permission_denied",
                            type="permission_error")
         try:

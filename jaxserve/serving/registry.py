@@ -60,7 +60,7 @@ class ModelRegistry:
         """Feed `metrics` from every engine, those loaded already and those still to load."""
         self.metrics = metrics
         for m in self.models.values():
-            metrics.state.sources[m.name] = lambda m=m: m.engine
+            metrics.state.sources[m.name] = m
             if m.engine is not None:
                 m.engine.metrics = metrics.for_model(m.name)
 
