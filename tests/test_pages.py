@@ -157,3 +157,28 @@ def test_kv_budget_from_gib_or_a_fraction_of_device_memory():
     for bad in (0.0, 1.0, 1.5):
         with pytest.raises(ConfigError, match="kv_cache_memory_fraction"):
             EngineConfig(kv_cache_memory_fraction=bad)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "auto"])
+def test_prompts_all_mid_prefill_with_a_dry_pool_still_finish(mode):
+    """8 pages of 4 tokens; two prompts of 20 and 24 tokens prefill side by side in 8-token
+    chunks until they hold all 8 pages, both still mid-prompt. The earlier one's next chunk
+    preempts the later one (found by the bookkeeping machine above: before, neither could
+    grow, no decode step was possible, and nothing ever ran again)."""
+    pool = PagePool(8, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_prefill_seqs=2, max_prefill_chunk=8, max_prefill_tokens=16,
+                                      watermark_pages=0, preemption_mode=mode, swap_pages=8, swap_min_tokens=8),
+                      pool, by_priority)
+    a = Sequence("a", [3] * 20, SamplingParams(max_tokens=4), arrival=1.0)
+    b = Sequence("b", [4] * 24, SamplingParams(max_tokens=4), arrival=2.0)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched, pool)
+    run_step(sched, pool)
+    assert pool.num_free == 0 and a.num_uncomputed > 1 and b.num_uncomputed > 1
+    for _ in range(50):
+        if not sched.has_work:
+            break
+        run_step(sched, pool)
+    assert not sched.has_work and pool.num_used == 0
+    assert len(a.output_ids) == 4 and len(b.output_ids) == 4 and sched.num_preemptions >= 1

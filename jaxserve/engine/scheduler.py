@@ -210,6 +210,19 @@ class Scheduler:
             return self._schedule_decode()
         return None
 
+    def _grow_preempting(self, seq: Sequence, num_tokens: int, items: list[ScheduledItem]) -> bool:
+        """Pages for `seq`'s next chunk, preempting running sequences ranked after it while the
+        pool is dry. Without this, prompts that are all mid-prefill can hold every page
+        between them and none can take its next chunk: nothing would ever run again."""
+        busy = {id(it.seq) for it in items}
+        while not self.pool.grow(seq.pages, num_tokens):
+            later = [s for s in self.running
+                     if s is not seq and id(s) not in busy and self.order_key(s) > self.order_key(seq)]
+            if not later:
+                return False
+            self.preempt(max(later, key=self.order_key))
+        return True
+
     def _outranks(self, seqs: list[Sequence]) -> bool:
         """Some waiting sequence is more urgent (a lower priority value) than all of `seqs`."""
         return bool(self.waiting) and min(s.priority for s in self.waiting) < min(s.priority for s in seqs)
@@ -240,7 +253,7 @@ class Scheduler:
                     continue  # preempted in this very step to free a slot
                 if not fits(length):
                     break
-                if not self.pool.grow(seq.pages, seq.num_computed + length):
+                if not self._grow_preempting(seq, seq.num_computed + length, items):
                     break
                 items.append(ScheduledItem(seq, seq.num_computed, length))
             else:
