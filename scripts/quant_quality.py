@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from jaxserve.checkpoint.convert import convert  # noqa: E402
 from jaxserve.checkpoint.load import load_model  # noqa: E402
-from jaxserve.checkpoint.quantize import param_bytes  # noqa: E402
+from jaxserve.checkpoint.quantize import LAYER_WEIGHTS, dequantize, param_bytes, quantize_params  # noqa: E402
 from jaxserve.default_model import DEFAULT_DIR, ensure_default_model, gguf_path  # noqa: E402
 from jaxserve.models import llama  # noqa: E402
 from jaxserve.reference import ReferenceGenerator  # noqa: E402
@@ -55,6 +55,29 @@ def top1(params, cfg, seq: list[int]) -> np.ndarray:
     return np.asarray(jnp.argmax(logits[0], axis=-1))
 
 
+def agreement(params, cfg, seqs, tokens: int) -> str:
+    agree = total = 0
+    for ids, out in seqs:
+        pred = top1(params, cfg, ids + out)
+        # the prediction at position len(ids) - 1 + i is the model's guess for out[i]
+        agree += int(np.sum(pred[len(ids) - 1: len(ids) - 1 + len(out)] == np.asarray(out)))
+        total += len(out)
+    return f"top-1 agreement with float32 {agree / total:.1%} ({agree}/{total} tokens, {len(seqs)} prompts x {tokens})"
+
+
+def weight_error(params, ref_params) -> str:
+    """Mean squared error of the dequantized layer weights against float32's, over all seven."""
+    err = n = 0.0
+    for name in LAYER_WEIGHTS:
+        want = np.asarray(ref_params["layers"][name], np.float32)
+        w = params["layers"][name]
+        for i in range(want.shape[0]):
+            got = dequantize({k: np.asarray(a[i]) for k, a in w.items()})
+            err += float(np.sum((got - want[i]) ** 2))
+            n += want[i].size
+    return f"layer weights' mean squared error {err / n:.3g}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", default=str(ROOT / "checkpoints"))
@@ -81,17 +104,15 @@ def main() -> int:
     print(f"float32: params/ {f32_mb:.0f} MB on disk, {f32_bytes / 1e6:.0f} MB in memory")
     for mode in variants:
         _, params = load_model(dirs[mode])
-        agree = total = 0
-        for ids, out in seqs:
-            pred = top1(params, cfg, ids + out)
-            # the prediction at position len(ids) - 1 + i is the model's guess for out[i]
-            agree += int(np.sum(pred[len(ids) - 1: len(ids) - 1 + len(out)] == np.asarray(out)))
-            total += len(out)
         mb = size_mb(dirs[mode] / "params")
         nbytes = param_bytes(params)
-        print(f"{mode}: top-1 agreement with float32 {agree / total:.1%} ({agree}/{total} tokens, "
-              f"{len(seqs)} prompts x {args.tokens}); params/ {mb:.0f} MB on disk = {mb / f32_mb:.0%} of float32, "
-              f"{nbytes / 1e6:.0f} MB in memory = {nbytes / f32_bytes:.0%}")
+        print(f"{mode}: {agreement(params, cfg, seqs, args.tokens)}; params/ {mb:.0f} MB on disk = {mb / f32_mb:.0%} of "
+              f"float32, {nbytes / 1e6:.0f} MB in memory = {nbytes / f32_bytes:.0%}; {weight_error(params, ref_params)}")
+    # What the least-squares refinement of int4's scales and lows buys: the same int4-g128
+    # with plain min/max scaling (quantized in memory, no checkpoint).
+    minmax = quantize_params(jax.tree.map(np.asarray, ref_params), "int4", 128, refine_steps=0)
+    print(f"int4-g128 with min/max scales only: {agreement(minmax, cfg, seqs, args.tokens)}; "
+          f"{weight_error(minmax, ref_params)}")
     return 0
 
 

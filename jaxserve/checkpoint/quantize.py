@@ -15,39 +15,48 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from pallas_kernels.quantized_matmul.ref import quantize_int4, quantize_int8
+from pallas_kernels.quantized_matmul.ref import quantize_int4, quantize_int8, unpack_int4
 
 MODES = ("int8", "int4")
 LAYER_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def _quantize(w: np.ndarray, mode: str, group_size: int) -> dict:
+def _quantize(w: np.ndarray, mode: str, group_size: int, refine_steps: int) -> dict:
     """[K, N] or stacked [L, K, N] float -> the quantized dict (stacked the same way)."""
     if mode == "int8":
         names, fn = ("q8", "scale"), quantize_int8
     else:
-        names, fn = ("q4", "scale", "low"), lambda a: quantize_int4(a, group_size)
+        names, fn = ("q4", "scale", "low"), lambda a: quantize_int4(a, group_size, refine_steps)
     if w.ndim == 2:
         return {n: np.asarray(a) for n, a in zip(names, fn(w))}
     parts = [fn(w[i]) for i in range(w.shape[0])]
     return {n: np.stack([np.asarray(p[j]) for p in parts]) for j, n in enumerate(names)}
 
 
-def quantize_params(params: dict, mode: str, group_size: int = 128) -> dict:
+def quantize_params(params: dict, mode: str, group_size: int = 128, refine_steps: int = 8) -> dict:
+    """`refine_steps`: int4's least-squares rounds (pallas_kernels/quantized_matmul/ref.py);
+    0 keeps plain min/max scaling, which scripts/quant_quality.py measures against."""
     if mode not in MODES:
         raise ValueError(f"unsupported quantization {mode!r} (supported: {', '.join(MODES)})")
     out = dict(params)
     out["layers"] = dict(params["layers"])
     for name in LAYER_WEIGHTS:
-        out["layers"][name] = _quantize(np.asarray(params["layers"][name], np.float32), mode, group_size)
+        out["layers"][name] = _quantize(np.asarray(params["layers"][name], np.float32), mode, group_size, refine_steps)
     if "lm_head" in params:
-        out["lm_head"] = _quantize(np.asarray(params["lm_head"], np.float32), mode, group_size)
+        out["lm_head"] = _quantize(np.asarray(params["lm_head"], np.float32), mode, group_size, refine_steps)
     else:
         # Tied: the table [V, D] is both the lookup and the lm_head; int8 with one scale per
         # row (per token: a row scale for the lookup, an output-channel scale for the head).
         q, s = quantize_int8(np.asarray(params["embed"], np.float32).T)
         out["embed"] = {"q8": np.asarray(q).T.copy(), "scale": np.asarray(s)}
     return out
+
+
+def dequantize(w: dict) -> np.ndarray:
+    """One quantized weight dict [K, N] -> the float32 [K, N] it stands for."""
+    if "q8" in w:
+        return np.asarray(w["q8"], np.float32) * np.asarray(w["scale"], np.float32)
+    return np.asarray(unpack_int4(w["q4"], w["scale"], w["low"]))
 
 
 def param_bytes(params: dict) -> int:
