@@ -146,6 +146,10 @@ def test_invalid_requests_are_refused_clearly(engine):
         engine.add_request([10**7], SamplingParams())
     with pytest.raises(InvalidRequest, match="top_p"):
         SamplingParams(top_p=0)
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "repetition_penalty"):
+        for value in (float("nan"), float("inf")):
+            with pytest.raises(InvalidRequest, match=name):
+                SamplingParams(**{name: value})
     assert not engine.has_unfinished
 
 

@@ -266,6 +266,13 @@ BAD = [
     ("too-long-for-context", "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 600}, 400, "messages"),
     ("priority-string", "/v1/chat/completions", {"messages": QUESTION, "priority": "high"}, 400, "priority"),
     ("timeout-negative", "/v1/chat/completions", {"messages": QUESTION, "timeout": -1}, 400, "timeout"),
+    # Python's JSON reader (and json.dumps here) takes NaN and Infinity; they must not slip through
+    ("timeout-nan", "/v1/chat/completions", {"messages": QUESTION, "timeout": float("nan")}, 400, "timeout"),
+    ("timeout-infinite", "/v1/chat/completions", {"messages": QUESTION, "timeout": float("inf")}, 400, "timeout"),
+    ("temperature-nan", "/v1/chat/completions", {"messages": QUESTION, "temperature": float("nan")}, 400,
+     "temperature"),
+    ("repetition-penalty-infinite", "/v1/chat/completions",
+     {"messages": QUESTION, "repetition_penalty": float("inf")}, 400, "repetition_penalty"),
     ("prompt-missing", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("prompt-empty-list", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("prompt-mixed-list", "/v1/completions", {"prompt": ["a", 1]}, 400, "prompt"),
@@ -409,9 +416,10 @@ def test_deadline_ends_a_stream_with_timeout_and_an_empty_answer_with_504(server
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": model, "messages": QUESTION, "timeout": 1e-6})
     assert r.status_code == 504, r.text
     assert r.json()["error"]["type"] == "timeout_error" and r.json()["error"]["param"] == "timeout"
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": model, "messages": QUESTION},
-                   headers={"X-Request-Timeout": "soon"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Timeout"
+    for header in ("soon", "inf", "nan"):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": model, "messages": QUESTION},
+                       headers={"X-Request-Timeout": header})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Timeout", header
     assert server.stats()["running"] == 0 and server.stats()["pages_used"] == 0
 
 

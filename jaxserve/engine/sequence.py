@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
 
 
@@ -45,12 +46,14 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be finite and >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
              f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
         ]

@@ -22,6 +22,7 @@ import hmac
 import importlib.metadata
 import json
 import logging
+import math
 import time
 import uuid
 from pathlib import Path
@@ -344,8 +345,8 @@ def _with_header_timeout(req: P.GenerationRequest, header: str | None) -> P.Gene
         seconds = float(header)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
-        raise APIError(400, f"X-Request-Timeout must be a number of seconds > 0, got {header[:40]!r}",
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise APIError(400, f"X-Request-Timeout must be a finite number of seconds > 0, got {header[:40]!r}",
                        param="X-Request-Timeout", code="invalid_value")
     return dataclasses.replace(req, timeout=seconds)
 

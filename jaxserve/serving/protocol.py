@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from typing import Any
 
@@ -77,6 +78,8 @@ def _field(body: dict, name: str, kind: type, default: Any = None, *, lo=None, h
                   code="invalid_type")
     if kind is float:
         value = float(value)
+        if not math.isfinite(value):  # Python's JSON reader takes NaN and Infinity
+            raise bad(f"'{name}' must be a finite number, got {value}", param=name, code="invalid_value")
     if lo is not None and (value <= lo if lo_open else value < lo):
         side = f"> {lo}" if lo_open else f">= {lo}"
         raise bad(f"'{name}' must be {side}{'' if hi is None else f' and <= {hi}'}, got {value}", param=name,
