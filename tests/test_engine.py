@@ -146,6 +146,12 @@ def test_invalid_requests_are_refused_clearly(engine):
         engine.add_request([10**7], SamplingParams())
     with pytest.raises(InvalidRequest, match="top_p"):
         SamplingParams(top_p=0)
+    with pytest.raises(InvalidRequest, match="logit_bias token id 999999"):
+        engine.add_request([1, 2, 3], SamplingParams(logit_bias={999999: 1.0}))
+    with pytest.raises(InvalidRequest, match="at most 300"):
+        SamplingParams(logit_bias={t: 1.0 for t in range(301)})
+    with pytest.raises(InvalidRequest, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias={5: 101.0})
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "repetition_penalty"):
         for value in (float("nan"), float("inf")):
             with pytest.raises(InvalidRequest, match=name):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.sampler import SamplingArrays, apply_penalties, sample
+from jaxserve.engine.sampler import SamplingArrays, apply_logit_bias, apply_penalties, sample
 
 
 def arrays(B, V, H=4, **over):
@@ -14,7 +14,8 @@ def arrays(B, V, H=4, **over):
                 frequency_penalty=np.zeros(B, np.float32), repetition_penalty=np.ones(B, np.float32),
                 seeds=np.arange(B, dtype=np.uint32), counters=np.zeros(B, np.int32),
                 history=np.full((B, H), -1, np.int32), prompt_lens=np.zeros(B, np.int32),
-                logprobs=np.ones(B, np.bool_))
+                logprobs=np.ones(B, np.bool_), bias_ids=np.full((B, 3), -1, np.int32),
+                bias_values=np.zeros((B, 3), np.float32))
     for k, v in over.items():
         base[k] = np.asarray(v, dtype=base[k].dtype)
     return SamplingArrays(**base)
@@ -67,3 +68,21 @@ def test_row_result_does_not_depend_on_batch():
                                                    counters=[counter] * 8))
         alone = sample(jnp.asarray(logits[:1]), arrays(1, 100, temperature=[1.0], seeds=[5], counters=[counter]))
         assert int(batch.tokens[0]) == int(alone.tokens[0])
+
+
+def test_logit_bias_by_hand():
+    """Logits [0, 2, 1, -1]. Row 0: bias -100 on token 1 -> [0, -98, 1, -1], greedy 2. Row 1:
+    +100 on token 3 and +0.5 on token 0 -> [0.5, 2, 1, 99], greedy 3. Row 2: no bias, greedy 1.
+    Logprobs stay those of the raw logits."""
+    logits = jnp.array([[0.0, 2.0, 1.0, -1.0]] * 3)
+    s = arrays(3, 4, bias_ids=[[1, -1, -1], [3, 0, -1], [-1, -1, -1]],
+               bias_values=[[-100, 0, 0], [100, 0.5, 0], [0, 0, 0]])
+    np.testing.assert_allclose(np.asarray(apply_logit_bias(logits, s)),
+                               [[0, -98, 1, -1], [0.5, 2, 1, 99], [0, 2, 1, -1]])
+    out = sample(logits, s)
+    assert list(np.asarray(out.tokens)) == [2, 3, 1]
+    raw = np.log(np.exp([0.0, 2.0, 1.0, -1.0]) / np.exp([0.0, 2.0, 1.0, -1.0]).sum())
+    np.testing.assert_allclose(np.asarray(out.logprobs), raw[[2, 3, 1]], rtol=1e-5)
+    # the greedy-only fast path must not skip a biased row
+    plain = sample(logits, arrays(3, 4, logprobs=np.zeros(3), bias_ids=s.bias_ids, bias_values=s.bias_values))
+    assert list(np.asarray(plain.tokens)) == [2, 3, 1]

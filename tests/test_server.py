@@ -273,6 +273,19 @@ BAD = [
      "temperature"),
     ("repetition-penalty-infinite", "/v1/chat/completions",
      {"messages": QUESTION, "repetition_penalty": float("inf")}, 400, "repetition_penalty"),
+    ("logit-bias-list", "/v1/chat/completions", {"messages": QUESTION, "logit_bias": [[5, 1]]}, 400, "logit_bias"),
+    ("logit-bias-word-key", "/v1/chat/completions", {"messages": QUESTION, "logit_bias": {"hello": 1}}, 400,
+     "logit_bias"),
+    ("logit-bias-too-big", "/v1/chat/completions", {"messages": QUESTION, "logit_bias": {"5": 101}}, 400,
+     "logit_bias"),
+    ("logit-bias-out-of-vocab", "/v1/chat/completions", {"messages": QUESTION, "logit_bias": {"49152": -100}}, 400,
+     "logit_bias"),
+    ("logit-bias-too-many", "/v1/chat/completions",
+     {"messages": QUESTION, "logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias"),
+    ("json-mode", "/v1/chat/completions", {"messages": QUESTION, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("tools", "/v1/chat/completions",
+     {"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("prompt-missing", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("prompt-empty-list", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("prompt-mixed-list", "/v1/completions", {"prompt": ["a", 1]}, 400, "prompt"),
@@ -298,6 +311,23 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
     assert set(err) == {"message", "type", "param", "code"}
     assert isinstance(err["message"], str) and err["message"]
     assert err["param"] == param
+
+
+def test_logit_bias_bans_and_forces_tokens(client, model, tok):
+    """Greedy, the prompt's next token is t; with t at -100 another token comes first, and with
+    " banana" at +100 every token is " banana". A text response format and empty tools are
+    no requests for a feature and pass."""
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0).choices[0].text
+    first = tok.encode(plain, add_special_tokens=False)
+    assert len(first) == 1, plain
+    banned = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                       logit_bias={str(first[0]): -100}).choices[0].text
+    assert banned and banned != plain
+    banana = tok.encode(" banana", add_special_tokens=False)[0]
+    forced = chat(client, model, QUESTION, max_tokens=3, temperature=0.7, seed=1, logit_bias={str(banana): 100},
+                  response_format={"type": "text"}, tools=[])
+    assert forced.choices[0].message.content == tok.decode([banana] * 3)
 
 
 def test_too_long_message_names_both_numbers(server, tok):

@@ -120,6 +120,7 @@ class Engine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(ids, params.max_tokens)
+        self.check_logit_bias(params)
         seq = Sequence(request_id, ids, params, priority=priority, arrival=arrival)
         timeout = self.config.default_timeout_s if timeout is None else timeout
         seq.deadline = None if timeout is None else seq.arrival + timeout
@@ -154,6 +155,13 @@ class Engine:
         if len(ids) + max_tokens > capacity:
             raise InvalidRequest(f"the KV cache holds {capacity} tokens; the prompt has {len(ids)} tokens and "
                                  f"max_tokens is {max_tokens}")
+
+    def check_logit_bias(self, params: SamplingParams) -> None:
+        """Raise InvalidRequest unless every logit_bias token id is in the vocabulary."""
+        vocab = self.model_cfg.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequest(f"logit_bias token id {bad[0]} is not in the vocabulary [0, {vocab})")
 
     def abort(self, request_id: str) -> TokenEvent | None:
         seq = self._seqs.pop(request_id, None)

@@ -34,7 +34,7 @@ from flax import struct
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.sampler import SampleOutput, SamplingArrays, sample
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.sequence import SamplingParams, Sequence
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.linear import resolve as resolve_impl
 from jaxserve.models import family
@@ -159,13 +159,15 @@ class ModelRunner:
     def _abstract_args(self, B: int, T: int, P: int):
         i32, f32 = jnp.int32, jnp.float32
         sds = jax.ShapeDtypeStruct
+        NB = SamplingParams.MAX_LOGIT_BIAS
         inp = StepInputs(tokens=sds((B, T), i32), positions=sds((B, T), i32), slot_mapping=sds((B, T), i32),
                          block_tables=sds((B, P), i32), context_lens=sds((B,), i32), last_index=sds((B,), i32))
         samp = SamplingArrays(
             temperature=sds((B,), f32), top_k=sds((B,), i32), top_p=sds((B,), f32), min_p=sds((B,), f32),
             presence_penalty=sds((B,), f32), frequency_penalty=sds((B,), f32), repetition_penalty=sds((B,), f32),
             seeds=sds((B,), jnp.uint32), counters=sds((B,), i32), history=sds((B, P * self.page_size), i32),
-            prompt_lens=sds((B,), i32), logprobs=sds((B,), jnp.bool_))
+            prompt_lens=sds((B,), i32), logprobs=sds((B,), jnp.bool_),
+            bias_ids=sds((B, NB), i32), bias_values=sds((B, NB), f32))
         params = jax.tree.map(lambda a: sds(a.shape, a.dtype), self.params)
         kv = jax.tree.map(lambda a: sds(a.shape, a.dtype), self.kv_cache)
         return params, kv, inp, samp
@@ -271,6 +273,8 @@ class ModelRunner:
         seeds = np.zeros(B, np.uint32)
         want_logprobs = np.zeros(B, np.bool_)
         history = np.full((B, P * ps), -1, np.int32)
+        bias_ids = np.full((B, SamplingParams.MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((B, SamplingParams.MAX_LOGIT_BIAS), f32)
         for i, it in enumerate(items):
             seq, s, n = it.seq, it.start, it.length
             all_tokens = seq.tokens
@@ -287,6 +291,8 @@ class ModelRunner:
             pres[i], freq[i], rep[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             seeds[i], counters[i], prompt_lens[i] = seq.seed, len(seq.output_ids), len(seq.prompt_ids)
             want_logprobs[i] = p.logprobs is not None
+            if p.logit_bias:
+                bias_ids[i, :len(p.logit_bias)], bias_values[i, :len(p.logit_bias)] = zip(*p.logit_bias)
             # Tokens up to this chunk's end: the context bucket (the history's width) covers
             # them; a sample is only kept at the prompt's end, where they are all the tokens.
             history[i, :s + n] = all_tokens[:s + n]
@@ -294,5 +300,6 @@ class ModelRunner:
                          context_lens=ctx, last_index=last)
         samp = SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=pres,
                               frequency_penalty=freq, repetition_penalty=rep, seeds=seeds, counters=counters,
-                              history=history, prompt_lens=prompt_lens, logprobs=want_logprobs)
+                              history=history, prompt_lens=prompt_lens, logprobs=want_logprobs,
+                              bias_ids=bias_ids, bias_values=bias_values)
         return inp, samp

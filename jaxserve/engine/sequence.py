@@ -20,6 +20,9 @@ class SamplingParams:
     filters. presence/frequency penalties (OpenAI) count generated tokens only;
     repetition_penalty (HF / CTRL) applies to every token seen, prompt included.
     seed None: the engine draws one, so the request is still reproducible in logs.
+    logit_bias {token id: bias in [-100, 100]} (OpenAI) is added to the logits after the
+    penalties: -100 bans a token in practice, +100 all but forces it. Kept as sorted
+    (id, bias) pairs so the params stay hashable and frozen.
     """
 
     max_tokens: int = 16
@@ -36,14 +39,18 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: plus the n most likely
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows; the sampler has this many slots per row
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (math.isfinite(self.temperature) and self.temperature >= 0,
@@ -56,6 +63,10 @@ class SamplingParams:
              f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
              f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
+            (len(self.logit_bias) <= self.MAX_LOGIT_BIAS,
+             f"logit_bias takes at most {self.MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"),
+            (all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
+             "logit_bias maps token ids >= 0 to biases in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:

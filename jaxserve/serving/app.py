@@ -178,6 +178,10 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
         except InvalidRequest as e:
             code = "context_length_exceeded" if "context length" in str(e) or "KV cache" in str(e) else None
             raise P.bad(str(e), param=param, code=code) from None
+        try:
+            engine.check_logit_bias(params[0])
+        except InvalidRequest as e:
+            raise P.bad(str(e), param="logit_bias", code="invalid_value") from None
         choices.extend(Choice(pi * req.n + j, pi, ids, params[j], req.priority, req.timeout, arrival)
                        for j in range(req.n))
     return choices, [len(ids) for ids in prompts]

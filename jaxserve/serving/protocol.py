@@ -9,6 +9,8 @@ bottom to write responses and stream chunks in OpenAI's exact shapes:
 
 Unknown fields are ignored, as OpenAI-compatible servers do; known fields of the
 wrong type or out of range are 400s whose message names the field and the value.
+Features this server does not have (JSON / schema output, tools) are 400s too when
+asked for, rather than ignored: a client that asked for JSON must not get prose.
 """
 
 from __future__ import annotations
@@ -96,6 +98,40 @@ def _priority(body: dict) -> int | str | None:
     if isinstance(value, str) and 0 < len(value) <= 64:
         return value
     return _field(body, "priority", int, None, lo=-(2**31), hi=2**31 - 1)
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """{"token id as a string": bias in [-100, 100]} (OpenAI's shape) -> {id: bias}."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad("'logit_bias' must be an object mapping token ids to biases", param="logit_bias",
+                  code="invalid_type")
+    limit = SamplingParams.MAX_LOGIT_BIAS
+    if len(value) > limit:
+        raise bad(f"'logit_bias' takes at most {limit} tokens, got {len(value)}", param="logit_bias",
+                  code="invalid_value")
+    out = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad(f"invalid key in 'logit_bias': {key[:40]!r} is not a token id", param="logit_bias",
+                      code="invalid_value")
+        b = _field({"logit_bias": bias}, "logit_bias", float, lo=-100, hi=100)
+        out[int(key)] = b
+    return out
+
+
+def _unsupported_features(body: dict) -> None:
+    """400 for what this server cannot do, when a client actually asks for it."""
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad("'response_format' other than {\"type\": \"text\"} (JSON or schema-guided output) is not "
+                  "supported by this server", param="response_format", code="unsupported_value")
+    for name in ("tools", "functions"):
+        if body.get(name):  # null or an empty list asks for nothing
+            raise bad(f"'{name}' (tool calling) is not supported by this server", param=name,
+                      code="unsupported_value")
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -237,7 +273,9 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
         repetition_penalty=_field(body, "repetition_penalty", float, 1.0, lo=0, lo_open=True),
         ignore_eos=_field(body, "ignore_eos", bool, False),
         stop=_stop(body),
+        logit_bias=_logit_bias(body),
     )
+    _unsupported_features(body)
     seed = _field(body, "seed", int, None)
     user = body.get("user") if isinstance(body.get("user"), str) else None
     return GenerationRequest(chat=chat, model=model, messages=messages, prompts=prompts, stream=stream,
