@@ -76,3 +76,16 @@ def test_generate_cli_prints_completion_alone(default_model_dir, default_model):
         expected = expected[:-1]
     assert proc.stdout == tok.decode(expected) + "\n"
     assert "Paris" in proc.stdout
+
+
+def test_int4_of_the_q4_gguf_gets_the_group_size_hint(tmp_path):
+    """The default GGUF's block weights are Q4_1 (blocks of 32): `convert --quantize int4` at
+    group 128 warns and names --group-size 32; at 32, or from an HF directory, it says nothing."""
+    from jaxserve.checkpoint.convert import int4_group_hint
+    from jaxserve.checkpoint.gguf_io import GGUFCheckpoint
+
+    path = gguf_path()
+    assert GGUFCheckpoint(path).four_bit_block() == 32
+    assert "--group-size 32" in int4_group_hint(path, 128)
+    assert int4_group_hint(path, 32) is None
+    assert int4_group_hint(tmp_path, 128) is None

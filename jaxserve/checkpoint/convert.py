@@ -16,6 +16,7 @@ at the end, so a failed conversion never leaves a half-written DST.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,6 +31,7 @@ from jaxserve.checkpoint.errors import ConversionError
 from jaxserve.checkpoint.safetensors_io import checkpoint_files, iter_tensors
 from jaxserve.config import ConfigError, ModelConfig
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
@@ -154,6 +156,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
     if dst.exists():
         raise ConversionError(f"{dst}: already exists; remove it or choose another destination")
     hf, tensors, count, tok_files = _read_source(src)
+    if quantize == "int4" and (hint := int4_group_hint(src, group_size)):
+        log.warning(hint)
     try:
         cfg = ModelConfig.from_hf(hf)
     except ConfigError as e:
@@ -182,6 +186,19 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dst
+
+
+def int4_group_hint(src: Path, group_size: int) -> str | None:
+    """A word for someone quantizing a 4-bit GGUF to int4 with groups larger than its blocks."""
+    if not (src.is_file() and src.suffix == ".gguf"):
+        return None
+    from jaxserve.checkpoint.gguf_io import GGUFCheckpoint
+
+    block = GGUFCheckpoint(src).four_bit_block()
+    if block is None or group_size <= block:
+        return None
+    return (f"{src.name} holds its weights as 4-bit blocks of {block}: int4 with groups of {group_size} rounds "
+            f"them again onto a coarser grid and loses accuracy; --group-size {block} keeps them as they are")
 
 
 def save_params(path: Path, params: dict) -> None:

@@ -65,6 +65,16 @@ class GGUFCheckpoint:
         self.arch = arch
         self.tensor_names = {t.name for t in self.reader.tensors}
 
+    def four_bit_block(self) -> int | None:
+        """32 when every matmul weight of the decoder blocks is Q4_0 / Q4_1 (4-bit, blocks of
+        32 along the input dimension), else None: int4 at a larger group size would re-round
+        those weights onto a coarser grid (see BENCHMARKS.md), at group 32 it keeps them."""
+        from gguf import GGMLQuantizationType as Q
+
+        kinds = {t.tensor_type for t in self.reader.tensors
+                 if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
+        return 32 if kinds and kinds <= {Q.Q4_0, Q.Q4_1} else None
+
     def hf_config(self) -> dict:
         r, a = self.reader, self.arch
         n_head = int(_field(r, f"{a}.attention.head_count"))
