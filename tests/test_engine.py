@@ -152,6 +152,8 @@ def test_invalid_requests_are_refused_clearly(engine):
         SamplingParams(logit_bias={t: 1.0 for t in range(301)})
     with pytest.raises(InvalidRequest, match=r"\[-100, 100\]"):
         SamplingParams(logit_bias={5: 101.0})
+    with pytest.raises(InvalidRequest, match="integer token ids"):
+        SamplingParams(logit_bias={"five": 1.0})
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "repetition_penalty"):
         for value in (float("nan"), float("inf")):
             with pytest.raises(InvalidRequest, match=name):
