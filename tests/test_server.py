@@ -282,6 +282,10 @@ BAD = [
      "logit_bias"),
     ("logit-bias-too-many", "/v1/chat/completions",
      {"messages": QUESTION, "logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias"),
+    ("stop-token-ids-strings", "/v1/chat/completions", {"messages": QUESTION, "stop_token_ids": ["2"]}, 400,
+     "stop_token_ids"),
+    ("skip-special-tokens-string", "/v1/chat/completions", {"messages": QUESTION, "skip_special_tokens": "no"}, 400,
+     "skip_special_tokens"),
     ("json-mode", "/v1/chat/completions", {"messages": QUESTION, "response_format": {"type": "json_object"}}, 400,
      "response_format"),
     ("tools", "/v1/chat/completions",
@@ -328,6 +332,34 @@ def test_logit_bias_bans_and_forces_tokens(client, model, tok):
     forced = chat(client, model, QUESTION, max_tokens=3, temperature=0.7, seed=1, logit_bias={str(banana): 100},
                   response_format={"type": "text"}, tools=[])
     assert forced.choices[0].message.content == tok.decode([banana] * 3)
+
+
+def test_stop_token_ids_and_skip_special_tokens(client, model, tok):
+    """vLLM's extensions. The greedy next token t of the prompt as a stop token id ends the answer
+    at once (finish_reason "stop", the stop token not shown). <|im_start|> forced by logit_bias
+    shows in the text only with skip_special_tokens false."""
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0).choices[0].text
+    first = tok.encode(plain, add_special_tokens=False)
+    assert len(first) == 1, plain
+    stopped = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0,
+                                        extra_body={"stop_token_ids": first}).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text == ""
+    special = tok.encode("<|im_start|>", add_special_tokens=False)
+    assert len(special) == 1
+    for skip in (True, False):
+        text = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0,
+                                         logit_bias={str(special[0]): 100},
+                                         extra_body={"skip_special_tokens": skip}).choices[0].text
+        assert ("<|im_start|>" in text) is not skip, text
+
+
+def test_retrieve_a_model(client, model, server):
+    """OpenAI's GET /v1/models/{id}: the same card as in the list; an unknown id is a 404 in OpenAI's shape."""
+    card = client.models.retrieve(model)
+    assert card.id == model and card.model_dump() == client.models.list().data[0].model_dump()
+    r = httpx.get(f"{server.url}/v1/models/org/gpt-9")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_too_long_message_names_both_numbers(server, tok):

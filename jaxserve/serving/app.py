@@ -428,11 +428,20 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
     async def version(request: Request, rid: str):
         return JSONResponse({"version": _version()})
 
+    def model_card(m: ServedModel) -> dict:
+        return {"id": m.name, "object": "model", "created": m.created, "owned_by": "jaxserve",
+                "max_model_len": m.engine.max_request_tokens if m.engine else None}
+
     async def models(request: Request, rid: str):
-        data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "jaxserve",
-                 "max_model_len": m.engine.max_request_tokens if m.engine else None}
-                for m in registry.models.values()]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [model_card(m) for m in registry.models.values()]})
+
+    async def model(request: Request, rid: str):
+        """OpenAI's retrieve-model: the card of a served model (also while it loads), else 404."""
+        name = request.path_params["name"]
+        if name not in registry.models:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves {', '.join(registry.models)}",
+                           param="model", code="model_not_found")
+        return JSONResponse(model_card(registry.models[name]))
 
     async def stats(request: Request, rid: str):
         return JSONResponse({"models": {name: m.stats() for name, m in registry.models.items()},
@@ -538,6 +547,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         Route("/debug/profile", api(profile), methods=["POST"]),
         Route("/dashboard", api(dashboard), methods=["GET"]),
         Route("/v1/models", api(models), methods=["GET"]),
+        Route("/v1/models/{name:path}", api(model), methods=["GET"]),
         Route("/v1/chat/completions", api(chat_completions), methods=["POST"]),
         Route("/v1/completions", api(completions), methods=["POST"]),
     ]

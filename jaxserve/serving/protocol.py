@@ -100,6 +100,20 @@ def _priority(body: dict) -> int | str | None:
     return _field(body, "priority", int, None, lo=-(2**31), hi=2**31 - 1)
 
 
+def _token_ids(body: dict, name: str) -> tuple[int, ...]:
+    """An optional list of token ids (vLLM's `stop_token_ids`); an id outside the vocabulary never matches."""
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise bad(f"'{name}' must be a list of token ids (integers >= 0)", param=name, code="invalid_type")
+    if len(value) > MAX_STOP_SEQUENCES:
+        raise bad(f"'{name}' takes at most {MAX_STOP_SEQUENCES} ids, got {len(value)}", param=name,
+                  code="invalid_value")
+    return tuple(value)
+
+
 def _logit_bias(body: dict) -> dict[int, float]:
     """{"token id as a string": bias in [-100, 100]} (OpenAI's shape) -> {id: bias}."""
     value = body.get("logit_bias")
@@ -274,6 +288,8 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
         ignore_eos=_field(body, "ignore_eos", bool, False),
         stop=_stop(body),
         logit_bias=_logit_bias(body),
+        stop_token_ids=_token_ids(body, "stop_token_ids"),
+        skip_special_tokens=_field(body, "skip_special_tokens", bool, True),
     )
     _unsupported_features(body)
     seed = _field(body, "seed", int, None)
