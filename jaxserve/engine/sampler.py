@@ -85,10 +85,14 @@ def apply_logit_bias(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     return logits.at[jnp.arange(B)[:, None], ids].add(s.bias_values, mode="drop")
 
 
-def _adjusts_logits(s: SamplingArrays) -> jax.Array:
-    """[B] bool: the row's logits are changed before sampling (penalties or a logit bias)."""
-    penalised = (s.repetition_penalty != 1) | (s.presence_penalty != 0) | (s.frequency_penalty != 0)
-    return penalised | (s.bias_ids >= 0).any(axis=-1)
+def _penalised(s: SamplingArrays) -> jax.Array:
+    """[B] bool: the row asks for a repetition, presence or frequency penalty."""
+    return (s.repetition_penalty != 1) | (s.presence_penalty != 0) | (s.frequency_penalty != 0)
+
+
+def _biased(s: SamplingArrays) -> jax.Array:
+    """[B] bool: the row has a logit bias."""
+    return (s.bias_ids >= 0).any(axis=-1)
 
 
 def _filter_threshold(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
@@ -130,7 +134,7 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     decode step of the default model at B=64. Skipping never changes a row's result,
     because a row that does not ask for a stage is left exactly as it was by it.
     """
-    plain = ~(_adjusts_logits(s) | (s.temperature > 0) | s.logprobs).any()
+    plain = ~(_penalised(s) | _biased(s) | (s.temperature > 0) | s.logprobs).any()
     return jax.lax.cond(plain, _plain_greedy, _full_sample, logits, s)
 
 
@@ -141,9 +145,8 @@ def _plain_greedy(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
 
 def _full_sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     raw = logits
-    penalised = (s.repetition_penalty != 1) | (s.presence_penalty != 0) | (s.frequency_penalty != 0)
-    logits = jax.lax.cond(penalised.any(), apply_penalties, lambda x, _: x, logits, s)
-    logits = jax.lax.cond((s.bias_ids >= 0).any(), apply_logit_bias, lambda x, _: x, logits, s)
+    logits = jax.lax.cond(_penalised(s).any(), apply_penalties, lambda x, _: x, logits, s)
+    logits = jax.lax.cond(_biased(s).any(), apply_logit_bias, lambda x, _: x, logits, s)
     greedy = argmax(logits)
     tokens = jax.lax.cond((s.temperature > 0).any(), _sampled_tokens, lambda x, _, g: g, logits, s, greedy)
     tokens = tokens.astype(jnp.int32)

@@ -437,11 +437,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
 
     async def model(request: Request, rid: str):
         """OpenAI's retrieve-model: the card of a served model (also while it loads), else 404."""
-        name = request.path_params["name"]
-        if name not in registry.models:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves {', '.join(registry.models)}",
-                           param="model", code="model_not_found")
-        return JSONResponse(model_card(registry.models[name]))
+        return JSONResponse(model_card(registry.named(request.path_params["name"])))
 
     async def stats(request: Request, rid: str):
         return JSONResponse({"models": {name: m.stats() for name, m in registry.models.items()},

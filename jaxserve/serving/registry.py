@@ -96,6 +96,14 @@ class ModelRegistry:
         ok = self.loaded.is_set() and all(m.ready and not m.runner.dead for m in self.models.values())
         return ok, status
 
+    def named(self, name: str) -> ServedModel:
+        """The model named `name`, loaded or not; 404 when there is none."""
+        m = self.models.get(name)
+        if m is None:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves {', '.join(self.models)}",
+                           param="model", code="model_not_found")
+        return m
+
     def get(self, name: str | None) -> ServedModel:
         """The model named `name` (the only one when `name` is None); 404 or 503 otherwise."""
         if name is None:
@@ -103,10 +111,7 @@ class ModelRegistry:
                 raise APIError(400, f"'model' is required: this server serves {', '.join(self.models)}",
                                param="model", code="missing_required_parameter")
             name = next(iter(self.models))
-        m = self.models.get(name)
-        if m is None:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves {', '.join(self.models)}",
-                           param="model", code="model_not_found")
+        m = self.named(name)
         if m.error:
             raise APIError(503, f"the model '{name}' failed to load: {m.error}", code="model_unavailable")
         if not m.ready:
