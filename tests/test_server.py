@@ -276,6 +276,8 @@ BAD = [
     ("logit-bias-list", "/v1/chat/completions", {"messages": QUESTION, "logit_bias": [[5, 1]]}, 400, "logit_bias"),
     ("logit-bias-word-key", "/v1/chat/completions", {"messages": QUESTION, "logit_bias": {"hello": 1}}, 400,
      "logit_bias"),
+    ("logit-bias-null", "/v1/chat/completions", {"messages": QUESTION, "logit_bias": {"5": None}}, 400,
+     "logit_bias"),
     ("logit-bias-too-big", "/v1/chat/completions", {"messages": QUESTION, "logit_bias": {"5": 101}}, 400,
      "logit_bias"),
     ("logit-bias-out-of-vocab", "/v1/chat/completions", {"messages": QUESTION, "logit_bias": {"49152": -100}}, 400,

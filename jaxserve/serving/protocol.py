@@ -131,8 +131,10 @@ def _logit_bias(body: dict) -> dict[int, float]:
         if not (key.isascii() and key.isdigit()):
             raise bad(f"invalid key in 'logit_bias': {key[:40]!r} is not a token id", param="logit_bias",
                       code="invalid_value")
-        b = _field({"logit_bias": bias}, "logit_bias", float, lo=-100, hi=100)
-        out[int(key)] = b
+        if bias is None:
+            raise bad(f"'logit_bias' for token {key} must be a number, got null", param="logit_bias",
+                      code="invalid_type")
+        out[int(key)] = _field({"logit_bias": bias}, "logit_bias", float, lo=-100, hi=100)
     return out
 
 
