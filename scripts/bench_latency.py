@@ -1,7 +1,16 @@
 #!/usr/bin/env python
-"""Client-side latency of one short chat request: time to first token and inter-token latency.
+"""Client-side latency of one request at a time: time to first token, inter-token latency, TPOT.
 
     python scripts/bench_latency.py [--url http://127.0.0.1:8000 | --model DIR] [--repeats 10]
+    python scripts/bench_latency.py --input-len 256 --max-tokens 128 --engine-step
+
+`--input-len N` sends /v1/completions prompts of N tokens cut from the benchmark corpus
+(jaxserve/bench/dataset.py) instead of the short chat prompt. `--engine-step` then also
+loads the same model with the same [engine] config in this process (after the server has
+stopped) and times the engine's own batch-1 decode step: one sequence at the same
+context lengths, one single-step decode call after another (launch + wait for the
+sampled id), with no HTTP, no event loop and no postprocessing. It prints TPOT p50
+against that step time: the host overhead a streaming client pays per token.
 
 With `--model` it starts `jaxserve serve` on a free loopback port (engine preset from
 `--config`, default configs/server.toml) and stops it at the end; with `--url` it
@@ -53,13 +62,14 @@ def start_server(model: str, config: str) -> tuple[subprocess.Popen, str]:
 def one_request(client: httpx.Client, url: str, body: dict) -> tuple[float, list[float], float, int]:
     t0 = time.perf_counter()
     stamps = []
-    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+    route = "chat/completions" if "messages" in body else "completions"
+    with client.stream("POST", f"{url}/v1/{route}", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                 continue
             chunk = json.loads(line[5:])
-            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+            if any(c.get("delta", {}).get("content") or c.get("text") for c in chunk.get("choices", [])):
                 stamps.append(time.perf_counter())
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     return stamps[0] - t0, gaps, stamps[-1] - t0, len(stamps)
@@ -70,6 +80,31 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
+def engine_step_ms(model: str, config: str, input_len: int, output_len: int) -> tuple[float, float]:
+    """(p50, mean) ms of the engine's own batch-1 single-step decode call over contexts
+    input_len .. input_len + output_len, same model and [engine] config as the server."""
+    from jaxserve.config import load_config_file
+    from jaxserve.engine.engine import Engine
+    from jaxserve.engine.runner import ScheduledItem
+    from jaxserve.engine.sequence import SamplingParams
+
+    _, cfg = load_config_file(config)
+    eng = Engine(model, cfg)
+    seq = eng.add_request(list(range(1000, 1000 + input_len)), SamplingParams(max_tokens=output_len, ignore_eos=True))
+    while seq.num_uncomputed > 1 or not seq.output_ids:  # the prompt, through the engine
+        eng.step()
+    times = []
+    for _ in range(output_len - 1):
+        if not eng.pool.grow(seq.pages, seq.num_tokens):
+            break
+        t0 = time.perf_counter()
+        result = eng.runner.run([ScheduledItem(seq, seq.num_tokens - 1, 1)], decode=True)
+        times.append(time.perf_counter() - t0)
+        seq.num_computed = seq.num_tokens
+        seq.output_ids.append(int(result.tokens[0, 0]))
+    return pct(times, 50) * 1e3, statistics.mean(times) * 1e3
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url")
@@ -78,6 +113,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt", default="Give me three tips for writing clear emails.")
+    ap.add_argument("--input-len", type=int, help="send /v1/completions prompts of this many corpus tokens")
+    ap.add_argument("--engine-step", action="store_true",
+                    help="also time the engine's own batch-1 decode step in-process (needs --model)")
     args = ap.parse_args(argv)
 
     proc = None
@@ -87,27 +125,41 @@ def main(argv=None) -> int:
     try:
         with httpx.Client(timeout=300) as client:
             name = client.get(f"{url}/v1/models").json()["data"][0]["id"]
-            body = {"model": name, "messages": [{"role": "user", "content": args.prompt}], "stream": True,
-                    "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
-            one_request(client, url, body)  # warm-up
-            ttft, itl, e2e, chunks = [], [], [], 0
-            for _ in range(args.repeats):
-                t, gaps, e, n = one_request(client, url, body)
+            body = {"model": name, "stream": True, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+            if args.input_len:
+                from jaxserve.bench.dataset import load_tokenizer, synthetic
+
+                prompts = synthetic(load_tokenizer(args.model), args.repeats + 1, args.input_len, args.max_tokens)
+                bodies = [dict(body, prompt=p.prompt) for p in prompts]
+            else:
+                bodies = [dict(body, messages=[{"role": "user", "content": args.prompt}])] * (args.repeats + 1)
+            one_request(client, url, bodies[0])  # warm-up
+            ttft, itl, e2e, tpot, chunks = [], [], [], [], 0
+            for b in bodies[1:]:
+                t, gaps, e, n = one_request(client, url, b)
                 ttft.append(t)
                 itl.extend(gaps)
                 e2e.append(e)
+                tpot.append((e - t) / max(args.max_tokens - 1, 1))  # vllm bench's TPOT: per token, not per chunk
                 chunks = n
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=30)
     ms = 1e3
-    print(f"one streamed chat request at a time, {args.repeats} runs, {chunks} content chunks each, {url}")
+    what = f"{args.input_len}-token completion prompt" if args.input_len else "chat request"
+    print(f"one streamed {what} at a time, {args.max_tokens} tokens, {args.repeats} runs, {chunks} content chunks "
+          f"each, {url}")
     print(f"{'metric':<6} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}  (ms)")
-    for label, xs in (("TTFT", ttft), ("ITL", itl), ("E2E", e2e)):
+    for label, xs in (("TTFT", ttft), ("TPOT", tpot), ("ITL", itl), ("E2E", e2e)):
         print(f"{label:<6} {statistics.mean(xs) * ms:9.1f} {pct(xs, 50) * ms:9.1f} {pct(xs, 90) * ms:9.1f} "
               f"{pct(xs, 99) * ms:9.1f}")
-    print(f"decode rate seen by the client: {1 / statistics.mean(itl):.1f} tok/s")
+    print(f"decode rate seen by the client: {1 / statistics.mean(tpot):.1f} tok/s")
+    if args.engine_step:
+        p50, mean = engine_step_ms(args.model, args.config, args.input_len or 64, args.max_tokens)
+        print(f"engine's own batch-1 decode step (same model and config, in-process): p50 {p50:.1f} ms, "
+              f"mean {mean:.1f} ms")
+        print(f"TPOT p50 / engine step p50 = {pct(tpot, 50) * ms / p50:.2f}")
     return 0
 
 

@@ -7,13 +7,15 @@ Converts the default model's GGUF four ways (float32, the default checkpoint; in
 int4 with groups of 128, and of 32, the block size of the GGUF's own Q4_1 weights), lets the float32 model continue 8 chat prompts
 greedily for 64 tokens, then teacher-forces each quantized model on exactly those
 sequences (one cache-free forward over prompt + continuation) and counts how often its
-top-1 prediction at each continuation position equals the float32 token. Prints the
+top-1 prediction at each continuation position equals the float32 token (W8A8 is the int8
+checkpoint run with int8 activations too). Prints the
 agreement and the size of each checkpoint's params/ directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -48,17 +50,18 @@ def size_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
 
 
-def top1(params, cfg, seq: list[int]) -> np.ndarray:
+def top1(params, cfg, seq: list[int], matmul_impl: str = "xla") -> np.ndarray:
     tokens = jnp.asarray([seq], jnp.int32)
     meta = llama.reference_metadata(np.asarray([len(seq)]), len(seq), cfg)
+    meta = dataclasses.replace(meta, matmul_impl=matmul_impl)
     logits, _ = llama.forward(params, cfg, tokens, meta)
     return np.asarray(jnp.argmax(logits[0], axis=-1))
 
 
-def agreement(params, cfg, seqs, tokens: int) -> str:
+def agreement(params, cfg, seqs, tokens: int, matmul_impl: str = "xla") -> str:
     agree = total = 0
     for ids, out in seqs:
-        pred = top1(params, cfg, ids + out)
+        pred = top1(params, cfg, ids + out, matmul_impl)
         # the prediction at position len(ids) - 1 + i is the model's guess for out[i]
         agree += int(np.sum(pred[len(ids) - 1: len(ids) - 1 + len(out)] == np.asarray(out)))
         total += len(out)
@@ -108,6 +111,11 @@ def main() -> int:
         nbytes = param_bytes(params)
         print(f"{mode}: {agreement(params, cfg, seqs, args.tokens)}; params/ {mb:.0f} MB on disk = {mb / f32_mb:.0%} of "
               f"float32, {nbytes / 1e6:.0f} MB in memory = {nbytes / f32_bytes:.0%}; {weight_error(params, ref_params)}")
+    # W8A8: the int8 checkpoint's weights with int8 activations (quantized per token) in
+    # every matmul, as `[engine] quantization = "w8a8"` runs it. The teacher-forced forward
+    # has one row per position, so every matmul takes the int8 x int8 path.
+    _, params = load_model(dirs["int8"])
+    print(f"w8a8 (int8 checkpoint, int8 activations): {agreement(params, cfg, seqs, args.tokens, 'w8a8')}")
     # What the least-squares refinement of int4's scales and lows buys: the same int4-g128
     # with plain min/max scaling (quantized in memory, no checkpoint).
     minmax = quantize_params(jax.tree.map(np.asarray, ref_params), "int4", 128, refine_steps=0)

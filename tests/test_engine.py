@@ -224,13 +224,13 @@ def test_prefill_token_budget_chunks_long_prompts_between_decode_steps(tiny_mode
     def run(**extra):
         eng = Engine(tiny_model_dir, EngineConfig(**opts, **extra))
         steps = []
-        real_run = eng.runner.run
+        real_launch = eng.runner.launch
 
-        def recording_run(items, decode):
+        def recording_launch(items, decode, *args, **kwargs):
             steps.append(("decode" if decode else "prefill", sum(it.length for it in items)))
-            return real_run(items, decode)
+            return real_launch(items, decode, *args, **kwargs)
 
-        eng.runner.run = recording_run
+        eng.runner.launch = recording_launch
         a = eng.add_request(short, params).request_id
         events = [ev for _ in range(3) for ev in eng.step()]  # the short one decodes before the long one comes
         b = eng.add_request(long, params).request_id

@@ -52,6 +52,20 @@ def quantize_params(params: dict, mode: str, group_size: int = 128, refine_steps
     return out
 
 
+def quantize_at_load(params: dict, mode: str | None) -> dict:
+    """The engine's `quantization` option over a loaded pytree: "int8" and "w8a8" both need int8
+    weights, so a float checkpoint is quantized here (per channel, as `convert --quantize int8`
+    does, in a second or two) and an int8 one is kept; an int4 checkpoint is refused."""
+    if mode is None:
+        return params
+    wq = params["layers"]["wq"]
+    if isinstance(wq, dict):
+        if "q8" in wq:
+            return params
+        raise ValueError(f"quantization={mode!r} needs float or int8 weights; this checkpoint is int4")
+    return jax.tree.map(jax.numpy.asarray, quantize_params(jax.tree.map(np.asarray, params), "int8"))
+
+
 def dequantize(w: dict) -> np.ndarray:
     """One quantized weight dict [K, N] -> the float32 [K, N] it stands for."""
     if "q8" in w:

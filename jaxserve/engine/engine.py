@@ -9,12 +9,16 @@ The life of a request inside the engine:
    or mid-prompt sequences, pages allocated as the chunks arrive) or a decode step
    (one token for every running sequence, preempting by recompute when pages run
    out).
-3. The runner pads the batch to a compiled bucket, runs the jitted step (model +
-   on-device sampling, KV cache donated) and copies the sampled ids back.
+3. The runner pads the batch to a compiled bucket and launches the jitted call (model +
+   on-device sampling, KV cache donated); the sampled ids start their copy back. When no
+   prompt waits, a decode call runs `decode_steps` steps on the device at once, and
+   (with `overlap`) the next decode call is launched on the device-resident ids of the
+   last one before the host reads them: the host postprocesses call N while call N + 1
+   runs. A sequence that finished in call N has its tokens of call N + 1 discarded.
 4. `postprocess` appends each sampled token, detokenizes incrementally, checks the
    stop conditions (EOS / stop ids, stop strings, max_tokens, max_model_len), frees
    the pages of finished sequences at once and returns one TokenEvent per request
-   that made progress.
+   that made progress (with every token it made in the call).
 
 No exception escapes `step`: a request that fails in postprocess fails alone, and
 a failed device step finishes only the sequences that were in it, with an error.
@@ -38,9 +42,10 @@ from typing import AsyncIterator, Iterable
 import jax
 
 from jaxserve.checkpoint.load import load_model
+from jaxserve.checkpoint.quantize import quantize_at_load
 from jaxserve.config import EngineConfig
 from jaxserve.engine.pages import PagePool, kv_bytes_per_page, pages_for_budget
-from jaxserve.engine.runner import ModelRunner, ScheduledItem, StepResult, enable_compilation_cache
+from jaxserve.engine.runner import Launched, ModelRunner, ScheduledItem, StepResult, enable_compilation_cache
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, by_priority
 from jaxserve.engine.sequence import InvalidRequest, SamplingParams, Sequence, Status, TokenEvent
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -70,6 +75,7 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.tokenizer = Tokenizer(model_dir)
         self.model_cfg, params = load_model(model_dir, dtype=config.dtype)
+        params = quantize_at_load(params, config.quantization)
         max_len = min(config.max_model_len, self.model_cfg.max_position_embeddings)
         page_bytes = kv_bytes_per_page(self.model_cfg.num_layers, config.page_size, self.model_cfg.num_kv_heads,
                                        self.model_cfg.head_dim, 4 if config.dtype == "float32" else 2)
@@ -96,6 +102,8 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self.page_bytes = page_bytes  # of one page, all layers' K and V
         self.metrics = None  # a jaxserve.metrics.EngineMetrics when served; called from the engine thread
+        self._inflight: Launched | None = None  # a decode call launched, not yet postprocessed
+        self._inflight_started = 0.0
         self.compile_seconds = self.runner.warmup() if warmup else 0.0
         log.info("engine ready: %d pages of %d tokens, max_model_len %d, max_num_seqs %d",
                  num_pages, config.page_size, max_len, self.config.max_num_seqs)
@@ -172,7 +180,7 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     @property
     def num_running(self) -> int:
@@ -194,11 +202,53 @@ class Engine:
         return [self._event(seq, [], "", None) for seq in late]
 
     def step(self) -> list[TokenEvent]:
-        expired = self.expire()
+        events = self.expire()
+        if self._inflight is not None:
+            events += self._step_overlapped()
+            if self._inflight is not None:  # a chained call runs now
+                return events
         batch = self.scheduler.schedule()
         if batch is None:
-            return expired
-        return expired + self._run(batch)
+            return events
+        return events + self._run(batch)
+
+    def _only_decoding(self) -> bool:
+        """No prompt waits to be prefilled and nothing is swapped out: the time for several
+        decode steps per call, and for chaining calls (an arrival waits for one call at most)."""
+        s = self.scheduler
+        return not (s.waiting or s.swapped or any(seq.num_uncomputed > 1 for seq in s.running))
+
+    def _step_overlapped(self) -> list[TokenEvent]:
+        """Launch the next decode call chained on the one in flight (when nothing else needs the
+        scheduler and every sequence gets pages for the whole call), then postprocess the one
+        in flight while the new one runs."""
+        prev = self._inflight
+        nxt = self._chain(prev) if self.config.overlap else None
+        self._inflight = None
+        events = self._complete(prev, self._inflight_started)
+        if nxt is not None:
+            self._inflight, self._inflight_started = nxt
+        return events
+
+    def _chain(self, prev: Launched) -> tuple[Launched, float] | None:
+        k = prev.k
+        if k != self.config.decode_steps or not self._only_decoding() or (prev.valid < k).any():
+            return None
+        seqs = [it.seq for it in prev.items if not it.seq.is_finished]
+        if not seqs or len(seqs) != len(self.scheduler.running):
+            return None  # a sequence outside the call (a swapped-in one) needs the scheduler
+        items = []
+        for seq in seqs:
+            start = prev.items[prev.rows[id(seq)]].start + k  # the position after the call in flight
+            if start + k > self.config.max_model_len or not self.pool.grow(seq.pages, start + k):
+                return None  # near the end of its context or out of pages: let the scheduler decide
+            items.append(ScheduledItem(seq, start, 1))
+        started = time.monotonic()
+        try:
+            return self.runner.launch(items, True, k, chain=prev), started
+        except Exception:  # the unchained path will run (and report) it again
+            log.exception("chained decode launch failed")
+            return None
 
     def _swap(self, batch) -> None:
         """The batch's host copies: pages of swapped-out sequences first (their pages may be
@@ -221,32 +271,66 @@ class Engine:
                     it.seq.scheduled_at = started
                     if self.metrics is not None:
                         self.metrics.scheduled(it.seq, started)
-            result = self.runner.run(batch.items, batch.decode)
-            if self.metrics is not None:
-                self.metrics.step(batch.decode, len(batch.items), sum(it.length for it in batch.items),
-                                  time.monotonic() - started)
+            steady = batch.decode and self._only_decoding()
+            k = self.config.decode_steps if steady else 1
+            if k > 1:  # pages for the whole call where the pool has them; the rest is not valid
+                for it in batch.items:
+                    self.pool.grow(it.seq.pages, min(it.seq.num_tokens + k - 1, self.config.max_model_len))
+            launched = self.runner.launch(batch.items, batch.decode, k)
         except Exception as e:  # a failed device step ends the requests in it, and only them
-            seqs = list({id(s): s for s in [it.seq for it in batch.items] + batch.swap_in}.values())
-            log.exception("step failed; finishing %d request(s) with an error", len(seqs))
-            events = []
-            for seq in seqs:
-                self.scheduler.finish(seq, "error")
-                self._seqs.pop(seq.request_id, None)
-                events.append(self._event(seq, [], "", None, error=f"{type(e).__name__}: {e}"))
-            return events
-        return self.postprocess(batch.items, result)
+            return self._fail(batch.items, batch.swap_in, e)
+        if steady and self.config.overlap:
+            self._inflight, self._inflight_started = launched, started
+            return []
+        return self._complete(launched, started)
+
+    def _fail(self, items: list[ScheduledItem], extra: list[Sequence], e: Exception) -> list[TokenEvent]:
+        seqs = list({id(s): s for s in [it.seq for it in items] + extra}.values())
+        log.exception("step failed; finishing %d request(s) with an error", len(seqs))
+        events = []
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            self.scheduler.finish(seq, "error")
+            self._seqs.pop(seq.request_id, None)
+            events.append(self._event(seq, [], "", None, error=f"{type(e).__name__}: {e}"))
+        return events
+
+    def _complete(self, launched: Launched, started: float) -> list[TokenEvent]:
+        """Wait for a launched call's tokens and postprocess them."""
+        try:
+            result = launched.result()
+        except Exception as e:
+            return self._fail(launched.items, [], e)
+        if self.metrics is not None:
+            self.metrics.step(launched.decode, len(launched.items),
+                              sum(it.length for it in launched.items) * launched.k, time.monotonic() - started)
+        return self.postprocess(launched.items, result)
 
     def postprocess(self, items: list[ScheduledItem], result: StepResult) -> list[TokenEvent]:
+        """Append each item's sampled tokens (result.tokens[i, :valid[i]]) until its sequence
+        stops; one event per sequence that made progress."""
         events = []
         for i, it in enumerate(items):
             seq = it.seq
-            if seq.is_finished:  # aborted while the step ran
+            if seq.is_finished:  # aborted, or finished in the call before this chained one
                 continue
-            seq.num_computed = it.start + it.length
-            if not it.samples:
+            if not it.samples:  # a prompt chunk short of the prompt's end
+                seq.num_computed = it.start + it.length
                 continue
             try:
-                events.append(self._append_token(seq, int(result.tokens[i]), self._logprobs(seq, result, i)))
+                tokens, text, logprobs, reason = [], "", [], None
+                for j in range(int(result.valid[i])):
+                    seq.num_computed = seq.num_tokens  # the token fed in step j is in the cache now
+                    token = int(result.tokens[i, j])
+                    piece, reason = self._append_token(seq, token)
+                    tokens.append(token)
+                    text += piece
+                    if seq.params.logprobs is not None:
+                        logprobs.append(self._logprobs(seq, result, i, j))
+                    if reason is not None:
+                        break
+                events.append(self._event(seq, tokens, text, reason, logprobs=logprobs or None))
             except Exception as e:
                 log.exception("postprocess failed for %s", seq.request_id)
                 self.scheduler.finish(seq, "error")
@@ -254,14 +338,13 @@ class Engine:
                 events.append(self._event(seq, [], "", None, error=f"{type(e).__name__}: {e}"))
         return events
 
-    def _logprobs(self, seq: Sequence, result: StepResult, i: int) -> dict | None:
+    def _logprobs(self, seq: Sequence, result: StepResult, i: int, j: int) -> dict:
         n = seq.params.logprobs
-        if n is None:
-            return None
-        top = [(int(t), float(lp)) for t, lp in zip(result.top_ids[i, :n], result.top_logprobs[i, :n])]
-        return {"token_id": int(result.tokens[i]), "logprob": float(result.logprobs[i]), "top": top}
+        top = [(int(t), float(lp)) for t, lp in zip(result.top_ids[i, j, :n], result.top_logprobs[i, j, :n])]
+        return {"token_id": int(result.tokens[i, j]), "logprob": float(result.logprobs[i, j]), "top": top}
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict | None) -> TokenEvent:
+    def _append_token(self, seq: Sequence, token: int) -> tuple[str, str | None]:
+        """Append one token; returns (the text it releases, the finish reason or None)."""
         p = seq.params
         seq.output_ids.append(token)
         now = time.monotonic()
@@ -292,7 +375,7 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self._seqs.pop(seq.request_id, None)
-        return self._event(seq, [token], new_text, reason, logprobs=logprobs)
+        return new_text, reason
 
     def _event(self, seq: Sequence, token_ids, text, reason, logprobs=None, error=None) -> TokenEvent:
         done = seq.is_finished
@@ -300,7 +383,7 @@ class Engine:
             self.metrics.finished(seq, time.monotonic())
         return TokenEvent(request_id=seq.request_id, token_ids=token_ids, text=text,
                           finished=done, finish_reason=seq.finish_reason if done else reason,
-                          logprobs=[logprobs] if logprobs else None, prompt_tokens=len(seq.prompt_ids),
+                          logprobs=logprobs, prompt_tokens=len(seq.prompt_ids),
                           completion_tokens=len(seq.output_ids), error=error,
                           scheduled_at=seq.scheduled_at if done else None,
                           preempted_at=tuple(seq.preempted_at) if done else ())

@@ -2,13 +2,16 @@
 
 A step is one call of one compiled executable:
 
-    (params, kv_cache, StepInputs, SamplingArrays) -> (SampleOutput, kv_cache)
+    prefill  (params, kv_cache, StepInputs, SamplingArrays) -> (SampleOutput, kv_cache)
+    decode   (params, kv_cache, DecodeInputs, SamplingArrays, chain [k, R]) -> (SampleOutput [k, B], kv_cache)
 
 with the KV cache donated, so XLA updates it in place. Host-side sequences are
 padded into the smallest bucket that holds them:
 
-    decode   tokens [B, 1]   B in decode_batch_buckets, block tables [B, P] with P
-             pages covering the smallest context bucket >= the longest context
+    decode   tokens [B]      B in decode_batch_buckets, k in (1, decode_steps): one call runs
+             k decode steps in a loop on the device, each feeding the token the last one
+             sampled; block tables [B, max pages] (attention walks only the pages up to
+             the longest context in the batch, so no context bucket is needed)
     prefill  tokens [B, T]   B in prefill_batch_buckets, T in prefill_length_buckets,
              block tables [B, P] over the smallest context bucket that holds T
              tokens, or (for a later chunk of a long prompt) over max_model_len
@@ -17,6 +20,14 @@ Every bucket is compiled at start-up (`warmup`), with compile times logged; JAX'
 persistent compilation cache makes the next start-up cheap. Padding rows and
 padding tokens write to a slot past the last page (dropped by the scatter) and have
 context length 0, so they neither touch nor see anyone's pages.
+
+Calls are asynchronous: `launch` dispatches one and returns a `Launched` whose device
+outputs are being copied to the host; `Launched.result()` waits for them. A decode call
+may be *chained* on one still in flight (`launch(..., chain=previous)`): its rows take
+their input token, and the tokens the previous call sampled for their penalty history,
+from the previous call's device output [k, R] (R = max_num_seqs rows), so the host
+never waits for a token before launching the next call. The engine then postprocesses
+the previous call while this one runs.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ import numpy as np
 from flax import struct
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.sampler import SampleOutput, SamplingArrays, sample
+from jaxserve.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingArrays, sample
 from jaxserve.engine.sequence import SamplingParams, Sequence
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.linear import resolve as resolve_impl
@@ -52,6 +63,17 @@ class StepInputs:
     last_index: jax.Array  # [B] i32, which of the T tokens to sample after
 
 
+@struct.dataclass
+class DecodeInputs:
+    """A k-step decode call. Row b's step i feeds position start[b] + i and samples the next token."""
+
+    tokens: jax.Array  # [B] i32, the token at position start (ignored where chain_row >= 0)
+    chain_row: jax.Array  # [B] i32, row of the chained call's output holding this row's tokens, or -1
+    start: jax.Array  # [B] i32, position of the first token fed
+    alloc: jax.Array  # [B] i32, tokens the row holds pages for: K/V of positions >= alloc is dropped
+    block_tables: jax.Array  # [B, P] i32, P = max pages per sequence
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduledItem:
     """One sequence's share of a step: feed tokens[start:start+length]; sample if it reaches the end."""
@@ -67,10 +89,41 @@ class ScheduledItem:
 
 @dataclasses.dataclass
 class StepResult:
-    tokens: np.ndarray  # [n] sampled ids, one per item (meaningful where item.samples)
-    logprobs: np.ndarray  # [n]
-    top_ids: np.ndarray  # [n, 20]
-    top_logprobs: np.ndarray  # [n, 20]
+    """k sampled tokens per item: a prefill step has k = 1 (meaningful where item.samples);
+    of a k-step decode call, item i's first `valid[i]` are real (its pages held them)."""
+
+    tokens: np.ndarray  # [n, k] sampled ids
+    logprobs: np.ndarray  # [n, k]
+    top_ids: np.ndarray  # [n, k, 20]
+    top_logprobs: np.ndarray  # [n, k, 20]
+    valid: np.ndarray  # [n] i32
+
+
+class Launched:
+    """A dispatched call: its items, and its outputs on their way to the host."""
+
+    def __init__(self, items: list[ScheduledItem], decode: bool, k: int, out: SampleOutput, valid: np.ndarray,
+                 chain_tokens: jax.Array | None):
+        self.items, self.decode, self.k = items, decode, k
+        self._out, self.valid = out, valid
+        self.chain_tokens = chain_tokens  # [k, R] device tokens a next call may chain on (decode only)
+        self.rows = {id(it.seq): i for i, it in enumerate(items)}
+        for leaf in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs):
+            leaf.copy_to_host_async()
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        """Wait for the outputs (the first call blocks until the device is done)."""
+        if self._result is None:
+            n, o = len(self.items), self._out
+            if self.decode:  # [K, B, ...] -> [n, k, ...]
+                take = lambda a: np.swapaxes(np.asarray(a), 0, 1)[:n]  # noqa: E731
+            else:
+                take = lambda a: np.asarray(a)[:n, None]  # noqa: E731
+            self._result = StepResult(tokens=take(o.tokens), logprobs=take(o.logprobs), top_ids=take(o.top_ids),
+                                      top_logprobs=take(o.top_logprobs), valid=self.valid)
+            self._out = None
+        return self._result
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -96,7 +149,7 @@ class ModelRunner:
         self.model_cfg, self.params, self.cfg = model_cfg, params, cfg
         self.model = family(model_cfg)
         self.attention_impl = resolve_impl(cfg.attention_impl)
-        self.matmul_impl = resolve_impl(cfg.matmul_impl)
+        self.matmul_impl = "w8a8" if cfg.quantization == "w8a8" else resolve_impl(cfg.matmul_impl)
         self.num_pages = num_pages
         self.page_size = cfg.page_size
         self.drop_slot = num_pages * cfg.page_size
@@ -112,6 +165,10 @@ class ModelRunner:
         shape = (model_cfg.num_layers, num_pages, cfg.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         self.kv_cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         self._jitted = jax.jit(self._step, donate_argnums=(1,))
+        self._jitted_decode = jax.jit(self._decode_step, donate_argnums=(1,))
+        self.max_decode_steps = cfg.decode_steps
+        self.chain_rows = self.decode_batches[-1]  # rows of every decode call's chain output
+        # prefill keys (B, T, P); decode keys (B, 0, P): any number of steps up to max_decode_steps
         self._executables: dict[tuple[int, int, int], object] = {}
         # Swap copies move whole pages; their page counts are padded to powers of two.
         self.swap_enabled = cfg.preemption_mode != "recompute" and cfg.swap_space_gib > 0
@@ -139,11 +196,57 @@ class ModelRunner:
         with jax.named_scope("sample"):
             return sample(logits, sampling), kv_cache
 
+    def _decode_step(self, params, kv_cache, inp: DecodeInputs, sampling: SamplingArrays, chain: jax.Array,
+                     num_steps: jax.Array):
+        """`num_steps` (<= K = max decode_steps) decode steps in one call, a loop on the device.
+        chain [K, R]: the sampled tokens of the K-step call this one is chained on (rows named
+        by inp.chain_row; zeros when none is). Returns SampleOutput with a leading step axis
+        [K, B, ...] (steps past num_steps are zeros), its tokens padded to [K, R] for the next
+        call to chain on, and the cache."""
+        B = inp.tokens.shape[0]
+        K = chain.shape[0]
+        rows = jnp.arange(B)
+        chained = inp.chain_row >= 0
+        src = jnp.maximum(inp.chain_row, 0)
+        tokens = jnp.where(chained, chain[-1, src], inp.tokens)  # [B]
+        # The chained call's K tokens sit at positions start - K + 1 .. start of the history.
+        hist_pos = inp.start[:, None] - K + 1 + jnp.arange(K)[None, :]  # [B, K]
+        hist_pos = jnp.where(chained[:, None], hist_pos, sampling.history.shape[1])  # out of range: dropped
+        history = sampling.history.at[rows[:, None], hist_pos].set(chain[:, src].T, mode="drop")
+        ps, drop = self.page_size, self.drop_slot
+        n = min(NUM_TOP_LOGPROBS, self.model_cfg.vocab_size)
+        outs = SampleOutput(tokens=jnp.zeros((K, B), jnp.int32), logprobs=jnp.zeros((K, B), jnp.float32),
+                            top_ids=jnp.zeros((K, B, n), jnp.int32), top_logprobs=jnp.zeros((K, B, n), jnp.float32))
+
+        def one(i, carry):
+            kv, tok, hist, outs = carry
+            pos = inp.start + i  # [B]
+            page = jnp.take_along_axis(inp.block_tables, jnp.minimum(pos // ps, inp.block_tables.shape[1] - 1)[:, None],
+                                       axis=1)[:, 0]
+            slot = jnp.where(pos < inp.alloc, page * ps + pos % ps, drop)
+            ctx = jnp.where(inp.alloc > 0, pos + 1, 0)  # padding rows (alloc 0) see nothing
+            meta = AttentionMetadata(positions=pos[:, None], context_lens=ctx, slot_mapping=slot[:, None],
+                                     block_tables=inp.block_tables, sliding_window=self.model_cfg.sliding_window,
+                                     attention_impl=self.attention_impl, matmul_impl=self.matmul_impl,
+                                     interpret=self.cfg.interpret)
+            with jax.named_scope("model"):
+                hidden, kv = self.model.forward_hidden(params, self.model_cfg, tok[:, None], meta, kv)
+                logits = self.model.logits_from_hidden(params, hidden[:, 0], self.matmul_impl, self.cfg.interpret)
+            with jax.named_scope("sample"):
+                out = sample(logits, sampling.replace(counters=sampling.counters + i, history=hist))
+            hist = hist.at[rows, pos + 1].set(out.tokens, mode="drop")
+            outs = jax.tree.map(lambda acc, x: jax.lax.dynamic_update_index_in_dim(acc, x, i, 0), outs, out)
+            return kv, out.tokens, hist, outs
+
+        kv_cache, _, _, outs = jax.lax.fori_loop(0, num_steps, one, (kv_cache, tokens, history, outs))
+        chain_out = jnp.zeros_like(chain).at[:, :B].set(outs.tokens)  # [K, R]: what a next call chains on
+        return (outs, chain_out), kv_cache
+
     # Buckets and compilation ----------------------------------------------------------
 
     def buckets(self) -> list[tuple[int, int, int]]:
-        """Every (B, T, P) shape a step can take."""
-        decode = [(b, 1, p) for b in self.decode_batches for p in self.context_page_buckets]
+        """Every shape a call can take: (B, T, P) of a prefill step, (B, 0, P) of a decode call."""
+        decode = [(b, 0, p) for b in self.decode_batches for p in self.context_page_buckets]
         prefill = [(b, t, p) for b in self.prefill_batches for t in self.prefill_lengths
                    for p in self.prefill_page_buckets(t)]
         return decode + prefill
@@ -160,17 +263,28 @@ class ModelRunner:
         i32, f32 = jnp.int32, jnp.float32
         sds = jax.ShapeDtypeStruct
         NB = SamplingParams.MAX_LOGIT_BIAS
-        inp = StepInputs(tokens=sds((B, T), i32), positions=sds((B, T), i32), slot_mapping=sds((B, T), i32),
-                         block_tables=sds((B, P), i32), context_lens=sds((B,), i32), last_index=sds((B,), i32))
+        if T == 0:  # a decode call
+            inp = DecodeInputs(tokens=sds((B,), i32), chain_row=sds((B,), i32), start=sds((B,), i32),
+                               alloc=sds((B,), i32), block_tables=sds((B, P), i32))
+        else:
+            inp = StepInputs(tokens=sds((B, T), i32), positions=sds((B, T), i32), slot_mapping=sds((B, T), i32),
+                             block_tables=sds((B, P), i32), context_lens=sds((B,), i32), last_index=sds((B,), i32))
+        H = P * self.page_size
         samp = SamplingArrays(
             temperature=sds((B,), f32), top_k=sds((B,), i32), top_p=sds((B,), f32), min_p=sds((B,), f32),
             presence_penalty=sds((B,), f32), frequency_penalty=sds((B,), f32), repetition_penalty=sds((B,), f32),
-            seeds=sds((B,), jnp.uint32), counters=sds((B,), i32), history=sds((B, P * self.page_size), i32),
+            seeds=sds((B,), jnp.uint32), counters=sds((B,), i32), history=sds((B, H), i32),
             prompt_lens=sds((B,), i32), logprobs=sds((B,), jnp.bool_),
             bias_ids=sds((B, NB), i32), bias_values=sds((B, NB), f32))
         params = jax.tree.map(lambda a: sds(a.shape, a.dtype), self.params)
         kv = jax.tree.map(lambda a: sds(a.shape, a.dtype), self.kv_cache)
+        if T == 0:
+            return params, kv, inp, samp, sds((self.max_decode_steps, self.chain_rows), i32), sds((), i32)
         return params, kv, inp, samp
+
+    def _compile(self, key: tuple[int, int, int]):
+        fn = self._jitted_decode if key[1] == 0 else self._jitted
+        return fn.lower(*self._abstract_args(*key)).compile()
 
     def warmup(self) -> float:
         """Compile every bucket ahead of time; returns the seconds it took."""
@@ -179,8 +293,9 @@ class ModelRunner:
             if key in self._executables:
                 continue
             t0 = time.perf_counter()
-            self._executables[key] = self._jitted.lower(*self._abstract_args(*key)).compile()
-            log.info("compiled step B=%d T=%d P=%d in %.2fs", *key, time.perf_counter() - t0)
+            self._executables[key] = self._compile(key)
+            log.info("compiled %s in %.2fs", "decode B=%d P=%d" % (key[0], key[2]) if key[1] == 0
+                     else "prefill B=%d T=%d P=%d" % key, time.perf_counter() - t0)
         if self.swap_enabled:
             for n in self.swap_buckets:
                 self._copy_executable("out", n)
@@ -230,35 +345,65 @@ class ModelRunner:
         """Step executables compiled so far (warm-up compiles every bucket; a cold runner on demand)."""
         return len(self._executables)
 
-    def run(self, items: list[ScheduledItem], decode: bool) -> StepResult:
-        """Pad `items` into a bucket, run the step, bring the sampled tokens back to the host.
+    def run(self, items: list[ScheduledItem], decode: bool, k: int = 1) -> StepResult:
+        """Launch a call and wait for its result (`launch` + `Launched.result`)."""
+        return self.launch(items, decode, k).result()
+
+    def executable(self, key: tuple[int, int, int]):
+        exe = self._executables.get(key)
+        if exe is None:  # not warmed up (tests may run a cold runner); compiled once, then kept
+            exe = self._executables[key] = self._compile(key)
+        return exe
+
+    def launch(self, items: list[ScheduledItem], decode: bool, k: int = 1, chain: Launched | None = None) -> Launched:
+        """Pad `items` into a bucket and dispatch the call; nothing waits for the device.
+        A decode call runs k steps (k in `decode_steps`); `chain` (a decode call with the same
+        k, still in flight or not) supplies the input tokens of the items that were in it.
         In a profile the whole of it is one `jaxserve.decode` or `jaxserve.prefill` scope."""
         with jax.profiler.TraceAnnotation("jaxserve.decode" if decode else "jaxserve.prefill", seqs=len(items)):
-            return self._run(items, decode)
+            if decode:
+                return self._launch_decode(items, k, chain)
+            return self._launch_prefill(items)
 
-    def _run(self, items: list[ScheduledItem], decode: bool) -> StepResult:
-        n = len(items)
-        if decode:
-            B = _bucket(n, self.decode_batches)
-            T = 1
-            P = _bucket(max(-(-(it.start + it.length) // self.page_size) for it in items), self.context_page_buckets)
-        else:
-            B = _bucket(n, self.prefill_batches)
-            T = _bucket(max(it.length for it in items), self.prefill_lengths)
-            P = _bucket(max(-(-(it.start + it.length) // self.page_size) for it in items),
-                        self.prefill_page_buckets(T))
+    def _launch_prefill(self, items: list[ScheduledItem]) -> Launched:
+        B = _bucket(len(items), self.prefill_batches)
+        T = _bucket(max(it.length for it in items), self.prefill_lengths)
+        P = _bucket(max(-(-(it.start + it.length) // self.page_size) for it in items), self.prefill_page_buckets(T))
         inp, samp = self._host_arrays(items, B, T, P)
-        exe = self._executables.get((B, T, P))
-        if exe is None:  # not warmed up (tests may run a cold runner); compiled once, then kept
-            exe = self._executables[(B, T, P)] = self._jitted.lower(*self._abstract_args(B, T, P)).compile()
-        out, self.kv_cache = exe(self.params, self.kv_cache, inp, samp)
-        out: SampleOutput
-        for leaf in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs):
-            leaf.copy_to_host_async()
-        return StepResult(tokens=np.asarray(out.tokens)[:n], logprobs=np.asarray(out.logprobs)[:n],
-                          top_ids=np.asarray(out.top_ids)[:n], top_logprobs=np.asarray(out.top_logprobs)[:n])
+        out, self.kv_cache = self.executable((B, T, P))(self.params, self.kv_cache, inp, samp)
+        return Launched(items, False, 1, out, np.ones(len(items), np.int32), None)
+
+    def _launch_decode(self, items: list[ScheduledItem], k: int, chain: Launched | None) -> Launched:
+        """Row i feeds position items[i].start (its token: the host's, or the chained call's
+        last sample when items[i].seq was in `chain`) and runs k steps; the steps whose K/V
+        fall past the pages the sequence holds are not valid."""
+        n, ps = len(items), self.page_size
+        B = _bucket(n, self.decode_batches)
+        P = _bucket(-(-(max(it.start for it in items) + k) // ps), self.context_page_buckets)
+        samp = self._sampling_arrays(items, B, P * ps, [it.seq.num_tokens for it in items])
+        tokens, chain_row = np.zeros(B, np.int32), np.full(B, -1, np.int32)
+        start, alloc = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        tables = np.zeros((B, P), np.int32)
+        for i, it in enumerate(items):
+            seq = it.seq
+            start[i] = it.start
+            alloc[i] = min(len(seq.pages), P) * ps
+            tables[i, :min(len(seq.pages), P)] = seq.pages[:P]
+            row = chain.rows.get(id(seq)) if chain is not None else None
+            if row is None:
+                tokens[i] = seq.tokens[it.start]
+            else:
+                chain_row[i] = row
+        valid = np.clip(alloc[:n] - start[:n], 1, k).astype(np.int32)
+        dinp = DecodeInputs(tokens=tokens, chain_row=chain_row, start=start, alloc=alloc, block_tables=tables)
+        K = self.max_decode_steps
+        chain_in = chain.chain_tokens if chain is not None else np.zeros((K, self.chain_rows), np.int32)
+        (out, chain_tokens), self.kv_cache = self.executable((B, 0, P))(self.params, self.kv_cache, dinp, samp,
+                                                                        chain_in, np.int32(k))
+        return Launched(items, True, k, out, valid, chain_tokens)
 
     def _host_arrays(self, items: list[ScheduledItem], B: int, T: int, P: int):
+        """A prefill step's inputs: items[i] feeds tokens[start:start + length] of its sequence."""
         ps = self.page_size
         tokens = np.zeros((B, T), np.int32)
         positions = np.zeros((B, T), np.int32)
@@ -266,40 +411,48 @@ class ModelRunner:
         tables = np.zeros((B, P), np.int32)
         ctx = np.zeros(B, np.int32)
         last = np.zeros(B, np.int32)
+        for i, it in enumerate(items):
+            seq, s, n = it.seq, it.start, it.length
+            pages = np.asarray(seq.pages, np.int32)
+            pos = np.arange(s, s + n, dtype=np.int32)
+            tokens[i, :n] = seq.tokens[s:s + n]
+            positions[i, :n] = pos
+            slots[i, :n] = pages[pos // ps] * ps + pos % ps
+            tables[i, :len(pages)] = pages[:P]
+            ctx[i] = s + n
+            last[i] = n - 1
+        inp = StepInputs(tokens=tokens, positions=positions, slot_mapping=slots, block_tables=tables,
+                         context_lens=ctx, last_index=last)
+        # Tokens up to each chunk's end: the context bucket (the history's width) covers them;
+        # a sample is only kept at the prompt's end, where they are all the tokens.
+        return inp, self._sampling_arrays(items, B, P * ps, [it.start + it.length for it in items])
+
+    def _sampling_arrays(self, items: list[ScheduledItem], B: int, H: int, known: list[int]) -> SamplingArrays:
+        """Per-row sampling parameters; row i's history [H] holds the first known[i] tokens of
+        its sequence. Its counter is the number of tokens it has made before this call's first
+        sample: for a decode row fed position start, that is start + 1 - prompt length (tokens
+        the host has not read yet, from a chained call, count too)."""
         f32 = np.float32
         temp, top_p, min_p = np.zeros(B, f32), np.ones(B, f32), np.zeros(B, f32)
         pres, freq, rep = np.zeros(B, f32), np.zeros(B, f32), np.ones(B, f32)
         top_k, counters, prompt_lens = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
         seeds = np.zeros(B, np.uint32)
         want_logprobs = np.zeros(B, np.bool_)
-        history = np.full((B, P * ps), -1, np.int32)
+        history = np.full((B, H), -1, np.int32)
         bias_ids = np.full((B, SamplingParams.MAX_LOGIT_BIAS), -1, np.int32)
         bias_values = np.zeros((B, SamplingParams.MAX_LOGIT_BIAS), f32)
         for i, it in enumerate(items):
-            seq, s, n = it.seq, it.start, it.length
-            all_tokens = seq.tokens
-            pages = np.asarray(seq.pages, np.int32)
-            pos = np.arange(s, s + n, dtype=np.int32)
-            tokens[i, :n] = all_tokens[s:s + n]
-            positions[i, :n] = pos
-            slots[i, :n] = pages[pos // ps] * ps + pos % ps
-            tables[i, :len(pages)] = pages[:P]
-            ctx[i] = s + n
-            last[i] = n - 1
-            p = seq.params
+            seq, p = it.seq, it.seq.params
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
             pres[i], freq[i], rep[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-            seeds[i], counters[i], prompt_lens[i] = seq.seed, len(seq.output_ids), len(seq.prompt_ids)
+            prompt_lens[i] = len(seq.prompt_ids)
+            seeds[i], counters[i] = seq.seed, max(it.start + it.length - prompt_lens[i], 0)
             want_logprobs[i] = p.logprobs is not None
             if p.logit_bias:
                 bias_ids[i, :len(p.logit_bias)], bias_values[i, :len(p.logit_bias)] = zip(*p.logit_bias)
-            # Tokens up to this chunk's end: the context bucket (the history's width) covers
-            # them; a sample is only kept at the prompt's end, where they are all the tokens.
-            history[i, :s + n] = all_tokens[:s + n]
-        inp = StepInputs(tokens=tokens, positions=positions, slot_mapping=slots, block_tables=tables,
-                         context_lens=ctx, last_index=last)
-        samp = SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=pres,
+            if pres[i] or freq[i] or rep[i] != 1:  # only penalties read the history
+                history[i, :known[i]] = seq.tokens[:known[i]]
+        return SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=pres,
                               frequency_penalty=freq, repetition_penalty=rep, seeds=seeds, counters=counters,
                               history=history, prompt_lens=prompt_lens, logprobs=want_logprobs,
                               bias_ids=bias_ids, bias_values=bias_values)
-        return inp, samp

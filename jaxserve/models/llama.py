@@ -100,7 +100,7 @@ def logits_from_hidden(params: Params, hidden: jax.Array, matmul_impl: str = "xl
     if "lm_head" in params:
         out = linear(hidden, params["lm_head"], matmul_impl, interpret)
     else:
-        out = tied_logits(hidden, params["embed"])
+        out = tied_logits(hidden, params["embed"], matmul_impl)
     return out.astype(jnp.float32)
 
 
@@ -108,7 +108,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, meta: Attention
             kv_cache: tuple[jax.Array, jax.Array] | None = None):
     """Full forward: tokens [B, T] -> (logits [B, T, V] float32, kv_cache)."""
     hidden, kv_cache = forward_hidden(params, cfg, tokens, meta, kv_cache)
-    return logits_from_hidden(params, hidden), kv_cache
+    return logits_from_hidden(params, hidden, meta.matmul_impl, meta.interpret), kv_cache
 
 
 def reference_metadata(lengths: np.ndarray, T: int, cfg: ModelConfig) -> AttentionMetadata:
