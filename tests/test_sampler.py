@@ -86,3 +86,34 @@ def test_logit_bias_by_hand():
     # the greedy-only fast path must not skip a biased row
     plain = sample(logits, arrays(3, 4, logprobs=np.zeros(3), bias_ids=s.bias_ids, bias_values=s.bias_values))
     assert list(np.asarray(plain.tokens)) == [2, 3, 1]
+
+
+def test_w8a8_matmul_against_the_float_product():
+    """W8A8 against x @ dequantized(w): the only extra error is the activations' rounding to
+    int8 per row, at most half a step (absmax / 127 / 2) per element, so the error is bounded
+    by sum_k |w_kn| * step_m / 2; below W8A8_MIN_ROWS rows the weight-only path is taken (its
+    result equals the dequantized product to float rounding)."""
+    import numpy as np
+    import pytest
+
+    from jaxserve.layers.linear import W8A8_MIN_ROWS, linear, quantize_rows
+    from pallas_kernels.quantized_matmul.ref import quantize_int8
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((96, 40)).astype(np.float32)
+    q, s = quantize_int8(w)
+    wd = np.asarray(q, np.float32) * np.asarray(s)
+    for rows in (1, W8A8_MIN_ROWS - 1, W8A8_MIN_ROWS, 33):
+        x = rng.standard_normal((rows, 96)).astype(np.float32) * 3
+        got = np.asarray(linear(jnp.asarray(x), {"q8": q, "scale": s}, "w8a8"))
+        want = x @ wd
+        if rows < W8A8_MIN_ROWS:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+            continue
+        step = np.abs(x).max(axis=1, keepdims=True) / 127
+        bound = (step / 2) @ np.abs(wd).sum(axis=0, keepdims=True) + 1e-4
+        assert np.all(np.abs(got - want) <= bound)
+        assert np.abs(got - want).max() > 1e-6  # the int8 path really ran (it is not exact)
+    xq, xs = quantize_rows(jnp.asarray([[0.0, 0.0], [-2.0, 1.0]]))
+    assert xq.dtype == jnp.int8 and np.asarray(xq).tolist() == [[0, 0], [-127, 64]]
+    assert np.asarray(xs)[:, 0].tolist() == pytest.approx([1.0, 2 / 127])

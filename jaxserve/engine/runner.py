@@ -379,7 +379,10 @@ class ModelRunner:
         fall past the pages the sequence holds are not valid."""
         n, ps = len(items), self.page_size
         B = _bucket(n, self.decode_batches)
-        P = _bucket(-(-(max(it.start for it in items) + k) // ps), self.context_page_buckets)
+        # Pages up to the last position a step may write, within max_model_len (steps past a
+        # row's pages are not valid: their K/V is dropped and their tokens discarded).
+        P = _bucket(min(-(-(max(it.start for it in items) + k) // ps), self.max_pages_per_seq),
+                    self.context_page_buckets)
         samp = self._sampling_arrays(items, B, P * ps, [it.seq.num_tokens for it in items])
         tokens, chain_row = np.zeros(B, np.int32), np.full(B, -1, np.int32)
         start, alloc = np.zeros(B, np.int32), np.zeros(B, np.int32)

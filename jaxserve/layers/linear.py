@@ -13,7 +13,7 @@ A weight is a float array [K, N], or a quantized dict (jaxserve/checkpoint/quant
   "auto"    pallas on a GPU, xla elsewhere.
 Float weights always take a plain XLA dot.
 
-Why W8A8 picks per row count (scripts/bench_kernels.py --w8a8 measures it; on our 2-core
+Why W8A8 picks per row count (scripts/bench_matmul_paths.py measures it; on our 2-core
 AVX-512 machines, the default model's 30 layers of the seven projections, lax.scan):
                       1 row   4 rows   8 rows   64 rows
     float32 weights   18.5    21.9     23.4     97.3  ms
