@@ -10,8 +10,8 @@ padded into the smallest bucket that holds them:
 
     decode   tokens [B]      B in decode_batch_buckets, k in (1, decode_steps): one call runs
              k decode steps in a loop on the device, each feeding the token the last one
-             sampled; block tables [B, max pages] (attention walks only the pages up to
-             the longest context in the batch, so no context bucket is needed)
+             sampled; block tables [B, P] over the smallest context bucket that holds the
+             longest context the call reaches (attention reads P pages per row)
     prefill  tokens [B, T]   B in prefill_batch_buckets, T in prefill_length_buckets,
              block tables [B, P] over the smallest context bucket that holds T
              tokens, or (for a later chunk of a long prompt) over max_model_len
