@@ -140,6 +140,8 @@ def _cmd_serve(args) -> int:
                                  ("kv_cache_memory_fraction", args.kv_cache_memory_fraction),
                                  ("quantization", args.quantization), ("decode_steps", args.decode_steps),
                                  ("overlap", args.overlap)) if v is not None}
+        if eng.get("quantization") == "none":
+            eng["quantization"] = None
         if "max_num_seqs" in eng and "decode_batch_buckets" not in eng:
             eng["decode_batch_buckets"] = tuple(b for b in engine.decode_batch_buckets if b < eng["max_num_seqs"]) + (
                 eng["max_num_seqs"],)
@@ -219,9 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-memory", type=float, metavar="GIB", help="KV cache budget in GiB")
     s.add_argument("--kv-cache-memory-fraction", type=float, metavar="F",
                    help="KV cache budget as a fraction of free device memory (GPUs; wins over GiB there)")
-    s.add_argument("--quantization", choices=("int8", "w8a8"),
+    s.add_argument("--quantization", choices=("int8", "w8a8", "none"),
                    help="int8: weight-only int8 (a float checkpoint is quantized at load); w8a8: int8 weights "
-                        "and int8 activations in every matmul of 8+ rows")
+                        "and int8 activations in every matmul of 8+ rows; none: the checkpoint as it is")
     s.add_argument("--decode-steps", type=int, metavar="N", help="decode steps per device call when no prompt waits")
     s.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next decode call before reading the last one (default: on)")

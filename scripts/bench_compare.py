@@ -3,6 +3,7 @@
 
     python scripts/bench_compare.py            # what `make bench-compare` runs
     python scripts/bench_compare.py --servers jaxserve,llama-server --concurrency 1,4
+    python scripts/bench_compare.py --ablation --concurrency 16,64 --num-prompts 16,64
 
 Each server in turn is started on a free loopback port with the same SmolLM2-135M
 weights, waited for (/health 200), swept with `jaxserve bench` (same prompts, same
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -39,6 +41,7 @@ from jaxserve.bench.run import add_arguments, run_sweep  # noqa: E402
 from jaxserve.default_model import DEFAULT_DIR, gguf_path  # noqa: E402
 
 START, END = "<!-- bench-compare:start -->", "<!-- bench-compare:end -->"
+ABL_START, ABL_END = "<!-- bench-ablation:start -->", "<!-- bench-ablation:end -->"
 PY = sys.executable
 
 
@@ -50,11 +53,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(name: str, port: int, max_slots: int, ctx_per_slot: int) -> list[str]:
+# --ablation: the preset, then one of its changes switched off (or swapped) at a time.
+ABLATION = {
+    "preset": [],
+    "overlap off": ["--no-overlap"],
+    "multi-step off (decode_steps 1)": ["--decode-steps", "1"],
+    "float32 weights (quantization none)": ["--quantization", "none"],
+    "W8A8 instead of int8": ["--quantization", "w8a8"],
+    "coarse context buckets (256, 1024, 2048)": ["--config", "{coarse}"],
+}
+
+
+def server_command(name: str, port: int, max_slots: int, ctx_per_slot: int, extra: list[str] = ()) -> list[str]:
     cores = str(os.cpu_count())
     if name == "jaxserve":
         return [str(Path(PY).parent / "jaxserve"), "serve", "--config", "configs/server.toml", "--model",
-                str(DEFAULT_DIR), "--port", str(port)]
+                str(DEFAULT_DIR), "--port", str(port), *extra]
     if name == "naive":
         return [PY, "scripts/naive_hf_server.py", "--port", str(port), "--threads", cores]
     if name == "llama-server":
@@ -119,14 +133,68 @@ def markdown(machine: dict, runs: dict, args, commands: dict, startup: dict, wal
     return "\n".join(lines)
 
 
-def write_benchmarks_md(section: str, path: Path) -> None:
+def write_benchmarks_md(section: str, path: Path, start: str = START, end: str = END) -> None:
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + section + rest.split(END, 1)[1]
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + section + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     path.write_text(text)
+
+
+def serve_and_sweep(server: str, label: str, extra: list[str], args, out: Path, slots: int):
+    """Start one server, sweep it with `jaxserve bench`, stop it: (command, results, start-up s)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = server_command(server, port, slots, ctx_per_slot=args.input_len + args.output_len + 64, extra=extra)
+    log = out / f"{label.split(' ')[0]}.log"
+    print(f"== {label}: {shlex.join(cmd)}", file=sys.stderr)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        startup = wait_healthy(proc, url, log)
+        bench = argparse.ArgumentParser()
+        add_arguments(bench)
+        bargs = bench.parse_args(["--url", url, "--tokenizer", str(DEFAULT_DIR), "--num-prompts", args.num_prompts,
+                                  "--max-concurrency", args.concurrency, "--input-len", str(args.input_len),
+                                  "--output-len", str(args.output_len), "--warmup", str(args.warmup),
+                                  "--seed", str(args.seed), "--label", label])
+        results = run_sweep(bargs)
+    finally:
+        stop(proc)
+    print(report.table(results), file=sys.stderr)
+    return cmd, results, startup
+
+
+def ablation(args, out: Path, machine: dict, t_all: float) -> int:
+    """The preset against itself with one change off at a time; a table between the ablation
+    markers of BENCHMARKS.md and benchmarks/ablation.json."""
+    preset = (ROOT / "configs" / "server.toml").read_text()
+    coarse = out / "server-coarse-buckets.toml"
+    coarse.write_text(re.sub(r"(?m)^context_buckets = .*$", "context_buckets = [256, 1024, 2048]", preset))
+    slots = max(int(c) for c in args.concurrency.split(","))
+    runs, commands = {}, {}
+    for label, extra in ABLATION.items():
+        extra = [a.format(coarse=coarse) for a in extra]
+        commands[label], runs[label], _ = serve_and_sweep("jaxserve", label, extra, args, out, slots)
+    report.save_json(out / "ablation.json", {"machine": machine, "runs": runs,
+                                             "commands": {k: shlex.join(v) for k, v in commands.items()}})
+    lines = [ABL_START, "", f"One run of `python scripts/bench_compare.py --ablation --concurrency {args.concurrency} "
+             f"--num-prompts {args.num_prompts}` on {time.strftime('%Y-%m-%d')} ({machine['cpu']}, "
+             f"{machine['cores']} cores; {(time.monotonic() - t_all) / 60:.1f} min): the preset "
+             f"(`configs/server.toml`), then one change at a time; same load as the comparison "
+             f"({args.input_len} in / {args.output_len} out). Raw results in `benchmarks/ablation.json`.", "",
+             "| variant | concurrency | done | output tok/s | total tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
+             "| ITL p50 | E2EL p50 (s) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for label, results in runs.items():
+        lines += [fmt_row(label, r) for r in results]
+    lines += ["", "Servers: " + "; ".join(f"{k}: `{shlex.join(v[v.index('serve'):])}`" for k, v in commands.items()),
+              "", ABL_END]
+    write_benchmarks_md("\n".join(lines), Path(args.markdown), ABL_START, ABL_END)
+    print(f"wrote {args.markdown} and {out}/ablation.json", file=sys.stderr)
+    return 0
 
 
 def main() -> int:
@@ -140,35 +208,22 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="benchmarks")
     ap.add_argument("--markdown", default="BENCHMARKS.md")
+    ap.add_argument("--ablation", action="store_true",
+                    help="instead of the servers: the jaxserve preset, then each of its changes switched off in turn "
+                         "(use with e.g. --concurrency 16,64 --num-prompts 16,64)")
     args = ap.parse_args()
     os.chdir(ROOT)
     t_all = time.monotonic()
     out = Path(args.out_dir)
     out.mkdir(exist_ok=True)
     machine = describe()
+    if args.ablation:
+        return ablation(args, out, machine, t_all)
     slots = max(int(c) for c in args.concurrency.split(","))
     runs, commands, startup = {}, {}, {}
     for name in args.servers.split(","):
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        cmd = server_command(name, port, slots, ctx_per_slot=args.input_len + args.output_len + 64)
-        log = out / f"{name}.log"
-        print(f"== {name}: {shlex.join(cmd)}", file=sys.stderr)
-        with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-        try:
-            startup[name] = wait_healthy(proc, url, log)
-            bench = argparse.ArgumentParser()
-            add_arguments(bench)
-            bargs = bench.parse_args(["--url", url, "--tokenizer", str(DEFAULT_DIR), "--num-prompts", args.num_prompts,
-                                      "--max-concurrency", args.concurrency, "--input-len", str(args.input_len),
-                                      "--output-len", str(args.output_len), "--warmup", str(args.warmup),
-                                      "--seed", str(args.seed), "--label", name])
-            runs[name] = run_sweep(bargs)
-            commands[name] = cmd
-        finally:
-            stop(proc)
-        print(report.table(runs[name]), file=sys.stderr)
+        cmd, runs[name], startup[name] = serve_and_sweep(name, name, [], args, out, slots)
+        commands[name] = cmd
     report.save_json(out / "compare.json", {"machine": machine, "runs": runs,
                                             "commands": {k: shlex.join(v) for k, v in commands.items()}})
     report.plot(runs, out / "compare.png", title=f"SmolLM2-135M, {machine['cores']} CPU cores: "

@@ -7,10 +7,11 @@
 `--input-len N` sends /v1/completions prompts of N tokens cut from the benchmark corpus
 (jaxserve/bench/dataset.py) instead of the short chat prompt. `--engine-step` then also
 loads the same model with the same [engine] config in this process (after the server has
-stopped) and times the engine's own batch-1 decode step: one sequence at the same
-context lengths, one single-step decode call after another (launch + wait for the
-sampled id), with no HTTP, no event loop and no postprocessing. It prints TPOT p50
-against that step time: the host overhead a streaming client pays per token.
+stopped) and times the engine's own batch-1 decode: one sequence at the same context
+lengths, one decode call after another (launch + wait for the sampled ids), with no HTTP,
+no event loop and no postprocessing, in single-step calls and in calls of the config's
+`decode_steps`. It prints TPOT p50 against the per-token time of the calls the server
+makes (decode_steps): the host overhead a streaming client pays per token.
 
 With `--model` it starts `jaxserve serve` on a free loopback port (engine preset from
 `--config`, default configs/server.toml) and stops it at the end; with `--url` it
@@ -80,9 +81,10 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-def engine_step_ms(model: str, config: str, input_len: int, output_len: int) -> tuple[float, float]:
-    """(p50, mean) ms of the engine's own batch-1 single-step decode call over contexts
-    input_len .. input_len + output_len, same model and [engine] config as the server."""
+def engine_step_ms(model: str, config: str, input_len: int, output_len: int) -> dict[int, float]:
+    """{k: p50 ms per token} of the engine's own batch-1 decode calls of k steps (k = 1 and the
+    config's decode_steps) over contexts input_len .. input_len + output_len, same model and
+    [engine] config as the server: launch + wait for the sampled ids, nothing else."""
     from jaxserve.config import load_config_file
     from jaxserve.engine.engine import Engine
     from jaxserve.engine.runner import ScheduledItem
@@ -90,19 +92,23 @@ def engine_step_ms(model: str, config: str, input_len: int, output_len: int) -> 
 
     _, cfg = load_config_file(config)
     eng = Engine(model, cfg)
-    seq = eng.add_request(list(range(1000, 1000 + input_len)), SamplingParams(max_tokens=output_len, ignore_eos=True))
-    while seq.num_uncomputed > 1 or not seq.output_ids:  # the prompt, through the engine
+    per_token = {}
+    for k in sorted({1, cfg.decode_steps}):
+        seq = eng.add_request(list(range(1000, 1000 + input_len)),
+                              SamplingParams(max_tokens=output_len, ignore_eos=True))
+        while seq.num_uncomputed > 1 or not seq.output_ids:  # the prompt, through the engine
+            eng.step()
+        times = []
+        while len(seq.output_ids) + k <= output_len and eng.pool.grow(seq.pages, seq.num_tokens + k - 1):
+            t0 = time.perf_counter()
+            result = eng.runner.run([ScheduledItem(seq, seq.num_tokens - 1, 1)], decode=True, k=k)
+            times.append((time.perf_counter() - t0) / k)
+            seq.num_computed = seq.num_tokens + k - 1
+            seq.output_ids.extend(int(t) for t in result.tokens[0, :k])
+        eng.abort(seq.request_id)
         eng.step()
-    times = []
-    for _ in range(output_len - 1):
-        if not eng.pool.grow(seq.pages, seq.num_tokens):
-            break
-        t0 = time.perf_counter()
-        result = eng.runner.run([ScheduledItem(seq, seq.num_tokens - 1, 1)], decode=True)
-        times.append(time.perf_counter() - t0)
-        seq.num_computed = seq.num_tokens
-        seq.output_ids.append(int(result.tokens[0, 0]))
-    return pct(times, 50) * 1e3, statistics.mean(times) * 1e3
+        per_token[k] = pct(times, 50) * 1e3
+    return per_token
 
 
 def main(argv=None) -> int:
@@ -156,10 +162,12 @@ def main(argv=None) -> int:
               f"{pct(xs, 99) * ms:9.1f}")
     print(f"decode rate seen by the client: {1 / statistics.mean(tpot):.1f} tok/s")
     if args.engine_step:
-        p50, mean = engine_step_ms(args.model, args.config, args.input_len or 64, args.max_tokens)
-        print(f"engine's own batch-1 decode step (same model and config, in-process): p50 {p50:.1f} ms, "
-              f"mean {mean:.1f} ms")
-        print(f"TPOT p50 / engine step p50 = {pct(tpot, 50) * ms / p50:.2f}")
+        per_token = engine_step_ms(args.model, args.config, args.input_len or 64, args.max_tokens)
+        k = max(per_token)
+        print("engine's own batch-1 decode, same model and config, in-process, p50 per token: "
+              + ", ".join(f"{v:.1f} ms in {n}-step calls" for n, v in per_token.items()))
+        print(f"TPOT p50 / engine step p50 per token ({k}-step calls, as the server runs) = "
+              f"{pct(tpot, 50) * ms / per_token[k]:.2f}; against single steps = {pct(tpot, 50) * ms / per_token[1]:.2f}")
     return 0
 
 

@@ -13,6 +13,10 @@ Three parts, all on the same engine:
   3. a seeded random workload: `--num-prompts` requests with prompt and output lengths
      drawn uniformly from the given ranges, EOS ignored, all submitted at once; reports
      generated and total tok/s.
+The engine takes `--config`'s [engine] settings (default: the serving preset, int8 weights)
+with the sizes given here, and runs single decode steps. Each decode line also gives decode
+attention alone (K/V gathered over the context bucket and attended, all layers) and its share
+of the step.
 Achieved weight bandwidth = parameter bytes x decode steps / decode time (each step
 reads every weight once); GFLOP/s = 2 x parameters x tokens / time (attention excluded).
 """
@@ -20,16 +24,18 @@ reads every weight once); GFLOP/s = 2 x parameters x tokens / time (attention ex
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.bench.machine import matmul_gflops, memcpy_gbps
-from jaxserve.config import EngineConfig
+from jaxserve.config import load_config_file
 from jaxserve.default_model import DEFAULT_DIR
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sequence import SamplingParams
@@ -72,6 +78,39 @@ class StepTimer:
         return t
 
 
+def attention_ms(engine: Engine, batch: int, context: int, repeats: int = 5) -> float:
+    """Median ms of decode attention alone for `batch` sequences of `context` tokens: every
+    layer's K/V pages gathered from the engine's cache and attended (what the XLA decode step
+    runs per layer, without the cache write), random pages, on the same context bucket."""
+    from jaxserve.layers.attention import attend_one, gather_kv
+
+    runner, cfg = engine.runner, engine.model_cfg
+    k_cache, v_cache = runner.kv_cache
+    L, NP, PS = k_cache.shape[:3]
+    P = min(p for p in runner.context_page_buckets if p * PS >= context)
+    rng = np.random.default_rng(0)
+    tables = jnp.asarray(rng.permutation(NP)[:batch * P].reshape(batch, P) % NP, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((batch, 1, cfg.num_heads, cfg.head_dim), dtype=np.float32))
+    lens = jnp.full((batch,), context, jnp.int32)
+    k_pos = jnp.broadcast_to(jnp.arange(P * PS, dtype=jnp.int32)[None], (batch, P * PS))
+
+    @jax.jit
+    def run(q, k_cache, v_cache):
+        def layer(x, i):
+            out = attend_one(q + x, gather_kv(k_cache, i, tables), gather_kv(v_cache, i, tables), lens[:, None] - 1,
+                             k_pos, lens, None)
+            return x + out, None
+        return jax.lax.scan(layer, jnp.zeros_like(q), jnp.arange(L))[0]
+
+    run(q, k_cache, v_cache).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run(q, k_cache, v_cache).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3
+
+
 def decode_run(engine: Engine, n: int, prompt_len: int, out_len: int, seed: int) -> dict:
     rng = random.Random(seed)
     for _ in range(n):
@@ -87,8 +126,10 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--prompt-len", default="32,256", help="min,max prompt tokens")
     ap.add_argument("--output-len", default="32,192", help="min,max output tokens")
-    ap.add_argument("--decode-prompt-len", type=int, default=32)
-    ap.add_argument("--decode-output-len", type=int, default=96)
+    ap.add_argument("--decode-prompt-len", type=int, default=256, help="the serving benchmark's prompts")
+    ap.add_argument("--decode-output-len", type=int, default=128)
+    ap.add_argument("--config", default="configs/server.toml",
+                    help="[engine] settings (quantization, buckets) of this preset, with the sizes above")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the results here")
@@ -97,9 +138,11 @@ def main(argv=None) -> int:
     peaks = machine_peaks()
     print(f"machine: memcpy {peaks['memcpy_GBps']:.1f} GB/s, fp32 matmul {peaks['matmul_fp32_GFLOPs']:.1f} GFLOP/s")
 
-    cfg = EngineConfig(max_num_seqs=args.concurrency, max_model_len=args.max_model_len,
-                       context_buckets=tuple(c for c in (128, 256, 512, 1024, 2048) if c < args.max_model_len)
-                       + (args.max_model_len,))
+    _, preset = load_config_file(args.config)
+    cfg = dataclasses.replace(
+        preset, max_num_seqs=args.concurrency, max_model_len=args.max_model_len,
+        decode_batch_buckets=tuple(b for b in preset.decode_batch_buckets if b < args.concurrency) + (args.concurrency,),
+        context_buckets=tuple(c for c in preset.context_buckets if c < args.max_model_len) + (args.max_model_len,))
     t0 = time.perf_counter()
     engine = Engine(args.model, cfg)
     n_params = sum(a.size for a in jax.tree.leaves(engine.runner.params))
@@ -120,10 +163,14 @@ def main(argv=None) -> int:
         gflops = 2 * n_params * tps / 1e9
         results[f"decode_{n}"] = {"tok_s": tps, "step_ms": step_s * 1e3, "weight_GBps": gbps, "GFLOPs": gflops,
                                   "full_steps": r["full_steps"], "all_decode_tok_s": r["decode_tokens"] / r["decode_s"]}
+        # Attention alone at the middle of the decode contexts, the bucket most steps read.
+        attn = attention_ms(engine, n, args.decode_prompt_len + args.decode_output_len // 2)
+        results[f"decode_{n}"]["attention_ms"] = attn
         print(f"decode x{n:<3d}: {tps:8.1f} tok/s, {step_s * 1e3:6.1f} ms/step over {r['full_steps']} steps with "
               f"all {n} decoding, weights {gbps:5.1f} GB/s ({gbps / peaks['memcpy_GBps']:.0%} of memcpy), "
               f"{gflops:6.1f} GFLOP/s ({gflops / peaks['matmul_fp32_GFLOPs']:.0%} of matmul peak); "
-              f"{r['decode_tokens'] / r['decode_s']:.1f} tok/s over all {r['decode_steps']} decode steps")
+              f"{r['decode_tokens'] / r['decode_s']:.1f} tok/s over all {r['decode_steps']} decode steps; "
+              f"attention alone {attn:.1f} ms = {attn / (step_s * 1e3):.0%} of a step")
     print(f"(step times vary: x{args.concurrency} steps p10-p90 "
           f"{np.percentile(r['full_step_s'], 10) * 1e3:.0f}-{np.percentile(r['full_step_s'], 90) * 1e3:.0f} ms)")
     ratio = results[f"decode_{args.concurrency}"]["tok_s"] / results["decode_1"]["tok_s"]

@@ -20,8 +20,13 @@ AVX-512 machines, the default model's 30 layers of the seven projections, lax.sc
     int8, dequantized 11.8    12.1     15.7     82.3  ms  (XLA fuses the widening into the dot)
     W8A8 int8 x int8  21.0    21.2     15.9     60.9  ms  (YNNPACK refuses M = 1; padded to 8)
 so below 8 rows the int8 weight is widened inside the dot and from 8 rows on both operands
-are int8. The tied lm_head ([V, D] table) is W8A8 at every row count (3.1 ms at 1 row
-against 3.5 ms dequantized and 3.8 ms float32; 13.8 against 23 ms at 64 rows).
+are int8. The tied lm_head ([V, D] table, 49152 x 576):
+                      1 row   8 rows   64 rows
+    float32 table      5.0    10.1     25.0  ms
+    int8, widened     46.7    49.8     57.8  ms  (whole: a 113 MB float copy per call)
+    int8, by chunks    2.2     5.4     23.7  ms  (4096 rows at a time, _widened_rows_dot)
+    W8A8 int8 x int8   3.4     3.7     13.9  ms
+so "w8a8" runs it int8 x int8 at every row count and "xla" widens it chunk by chunk.
 """
 
 from __future__ import annotations
