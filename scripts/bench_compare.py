@@ -111,6 +111,16 @@ def fmt_row(name: str, r: dict) -> str:
             f"| {r['e2el']['p50'] * ms / 1e3:.1f} |")
 
 
+def preset_summary() -> str:
+    """The [engine] settings of configs/server.toml that decide speed, for the table's reader."""
+    from jaxserve.config import load_config_file
+
+    _, eng = load_config_file(ROOT / "configs" / "server.toml")
+    return (f"`configs/server.toml`: quantization {eng.quantization or 'none'}, decode_steps {eng.decode_steps}, "
+            f"overlap {'on' if eng.overlap else 'off'}, context buckets {', '.join(map(str, eng.context_buckets))}, "
+            f"dtype {eng.dtype}")
+
+
 def markdown(machine: dict, runs: dict, args, commands: dict, startup: dict, wall: float, plot_rel: str) -> str:
     lines = [START, "", "## Serving: jaxserve vs the naive server vs llama-server", "",
              f"One run of `make bench-compare` on {time.strftime('%Y-%m-%d')}: {machine['cpu']}, "
@@ -125,7 +135,8 @@ def markdown(machine: dict, runs: dict, args, commands: dict, startup: dict, wal
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, results in runs.items():
         lines += [fmt_row(name, r) for r in results]
-    lines += ["", f"![throughput against latency]({plot_rel})", "", "Servers (start-up until /health said 200):", ""]
+    lines += ["", f"jaxserve runs the preset {preset_summary()}.",
+              "", f"![throughput against latency]({plot_rel})", "", "Servers (start-up until /health said 200):", ""]
     for name, cmd in commands.items():
         lines.append(f"- {name} ({startup[name]:.0f} s): `{shlex.join(cmd)}`")
     lines += ["", "Command: `make bench-compare` (= `.venv/bin/python scripts/bench_compare.py`); raw results "

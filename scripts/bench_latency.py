@@ -38,13 +38,13 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_server(model: str, config: str) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, config: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     sys.path.insert(0, str(ROOT / "tests"))
     from server_proc import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "jaxserve", "serve", "--model", model, "--port", str(port),
-                             "--config", config], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--config", config, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
