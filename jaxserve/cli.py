@@ -113,48 +113,57 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def _cmd_serve(args) -> int:
+def serve_configs(args):
+    """(ServerConfig, EngineConfig) of `jaxserve serve ARGS`: the --config preset (or the
+    defaults) with the flags on top. Raises ConfigError."""
     import dataclasses
-    import logging
 
     from jaxserve.config import ConfigError, EngineConfig, ModelSpec, ServerConfig, load_config_file
 
+    server, engine = load_config_file(args.config) if args.config else (ServerConfig(), EngineConfig())
+    names = args.served_model_name or []
+    if len(names) > len(args.model or []):
+        raise ConfigError("more --served-model-name than --model")
+    specs = tuple(ModelSpec(path=p, name=names[i] if i < len(names) else None)
+                  for i, p in enumerate(args.model or []))
+    over = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if specs:
+        over["models"] = specs
+    if args.api_key:
+        over["api_keys"] = tuple(args.api_key)
+    server = dataclasses.replace(server, **over)
+    eng = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len),
+                             ("kv_cache_memory_gib", args.kv_cache_memory),
+                             ("kv_cache_memory_fraction", args.kv_cache_memory_fraction),
+                             ("quantization", args.quantization), ("decode_steps", args.decode_steps),
+                             ("overlap", args.overlap)) if v is not None}
+    if eng.get("quantization") == "none":  # over a preset that quantizes
+        eng["quantization"] = None
+    if "max_num_seqs" in eng and "decode_batch_buckets" not in eng:
+        eng["decode_batch_buckets"] = tuple(b for b in engine.decode_batch_buckets if b < eng["max_num_seqs"]) + (
+            eng["max_num_seqs"],)
+    if "max_model_len" in eng:
+        eng["context_buckets"] = tuple(c for c in engine.context_buckets if c < eng["max_model_len"]) + (
+            eng["max_model_len"],)
+    engine = dataclasses.replace(engine, **eng)
+    if not server.models:
+        raise ConfigError("no model to serve: give --model DIR or [[server.models]] in --config")
+    for m in server.models:
+        if not (Path(m.path) / "config.json").is_file():
+            raise ConfigError(f"{m.path}: not a converted model directory (no config.json); "
+                              "see `jaxserve convert`")
+    return server, engine
+
+
+def _cmd_serve(args) -> int:
+    import logging
+
+    from jaxserve.config import ConfigError
     from jaxserve.serving.tracing import configure_logging, otlp_tracer
 
     configure_logging(args.log_format, logging.INFO)
     try:
-        server, engine = load_config_file(args.config) if args.config else (ServerConfig(), EngineConfig())
-        names = args.served_model_name or []
-        if len(names) > len(args.model or []):
-            raise ConfigError("more --served-model-name than --model")
-        specs = tuple(ModelSpec(path=p, name=names[i] if i < len(names) else None)
-                      for i, p in enumerate(args.model or []))
-        over = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-        if specs:
-            over["models"] = specs
-        if args.api_key:
-            over["api_keys"] = tuple(args.api_key)
-        server = dataclasses.replace(server, **over)
-        eng = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len),
-                                 ("kv_cache_memory_gib", args.kv_cache_memory),
-                                 ("kv_cache_memory_fraction", args.kv_cache_memory_fraction),
-                                 ("quantization", args.quantization), ("decode_steps", args.decode_steps),
-                                 ("overlap", args.overlap)) if v is not None}
-        if eng.get("quantization") == "none":
-            eng["quantization"] = None
-        if "max_num_seqs" in eng and "decode_batch_buckets" not in eng:
-            eng["decode_batch_buckets"] = tuple(b for b in engine.decode_batch_buckets if b < eng["max_num_seqs"]) + (
-                eng["max_num_seqs"],)
-        if "max_model_len" in eng:
-            eng["context_buckets"] = tuple(c for c in engine.context_buckets if c < eng["max_model_len"]) + (
-                eng["max_model_len"],)
-        engine = dataclasses.replace(engine, **eng)
-        if not server.models:
-            raise ConfigError("no model to serve: give --model DIR or [[server.models]] in --config")
-        for m in server.models:
-            if not (Path(m.path) / "config.json").is_file():
-                raise ConfigError(f"{m.path}: not a converted model directory (no config.json); "
-                                  "see `jaxserve convert`")
+        server, engine = serve_configs(args)
         tracer = otlp_tracer(args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None
     except (ConfigError, RuntimeError) as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
