@@ -59,8 +59,9 @@ def gather_kv(cache: jax.Array, layer: jax.Array, block_tables: jax.Array) -> ja
     """Keys or values of each sequence, in order: cache [L, NP, PS, K, D] -> [B, P*PS, K, D].
 
     The cache is viewed as rows of whole pages [L*NP, PS*K*D] and row layer*NP + page is
-    taken (clipped, not bounds-checked per element): one contiguous copy per page, 20 %
-    faster on our CPUs than taking [PS, K, D] blocks out of the layer's slice."""
+    taken (clipped, not bounds-checked per element): one contiguous copy per page. On our
+    CPUs the gather alone is ~20 % faster than taking [PS, K, D] blocks out of the layer's
+    slice, a batch-64 decode attention ~12 %."""
     B, P = block_tables.shape
     L, NP, PS, K, D = cache.shape
     rows = cache.reshape(L * NP, PS * K * D)
