@@ -111,6 +111,16 @@ def fmt_row(name: str, r: dict) -> str:
             f"| {r['e2el']['p50'] * ms / 1e3:.1f} |")
 
 
+def results_table(first: str, runs: dict) -> list[str]:
+    """Markdown table lines: one row per load level of each run, named in the `first` column."""
+    lines = [f"| {first} | concurrency | done | output tok/s | total tok/s | TTFT p50 | TTFT p99 | TPOT p50 "
+             "| TPOT p99 | ITL p50 | E2EL p50 (s) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, results in runs.items():
+        lines += [fmt_row(name, r) for r in results]
+    return lines
+
+
 def preset_summary() -> str:
     """The [engine] settings of configs/server.toml that decide speed, for the table's reader."""
     from jaxserve.config import load_config_file
@@ -130,11 +140,7 @@ def markdown(machine: dict, runs: dict, args, commands: dict, startup: dict, wal
              f"{args.input_len} tokens cut from CPython's pydoc topics (seed {args.seed}), {args.output_len} output "
              f"tokens, max concurrency {args.concurrency} with {args.num_prompts} requests per level, "
              f"{args.warmup} warm-up requests first. Latencies in ms (E2EL in s); tok/s over the whole level.", "",
-             "| server | concurrency | done | output tok/s | total tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
-             "| ITL p50 | E2EL p50 (s) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, results in runs.items():
-        lines += [fmt_row(name, r) for r in results]
+             *results_table("server", runs)]
     lines += ["", f"jaxserve runs the preset {preset_summary()}.",
               "", f"![throughput against latency]({plot_rel})", "", "Servers (start-up until /health said 200):", ""]
     for name, cmd in commands.items():
@@ -196,11 +202,7 @@ def ablation(args, out: Path, machine: dict, t_all: float) -> int:
              f"{machine['cores']} cores; {(time.monotonic() - t_all) / 60:.1f} min): the preset "
              f"(`configs/server.toml`), then one change at a time; same load as the comparison "
              f"({args.input_len} in / {args.output_len} out). Raw results in `benchmarks/ablation.json`.", "",
-             "| variant | concurrency | done | output tok/s | total tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
-             "| ITL p50 | E2EL p50 (s) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for label, results in runs.items():
-        lines += [fmt_row(label, r) for r in results]
+             *results_table("variant", runs)]
     lines += ["", "Servers: " + "; ".join(f"{k}: `{shlex.join(v[v.index('serve'):])}`" for k, v in commands.items()),
               "", ABL_END]
     write_benchmarks_md("\n".join(lines), Path(args.markdown), ABL_START, ABL_END)
