@@ -89,7 +89,7 @@ def attention_ms(engine: Engine, batch: int, context: int, repeats: int = 5) -> 
     L, NP, PS = k_cache.shape[:3]
     P = min(p for p in runner.context_page_buckets if p * PS >= context)
     rng = np.random.default_rng(0)
-    tables = jnp.asarray(rng.permutation(NP)[:batch * P].reshape(batch, P) % NP, jnp.int32)
+    tables = jnp.asarray(rng.permutation(NP)[:batch * P].reshape(batch, P), jnp.int32)
     q = jnp.asarray(rng.standard_normal((batch, 1, cfg.num_heads, cfg.head_dim), dtype=np.float32))
     lens = jnp.full((batch,), context, jnp.int32)
     k_pos = jnp.broadcast_to(jnp.arange(P * PS, dtype=jnp.int32)[None], (batch, P * PS))

@@ -32,6 +32,7 @@ from jaxserve.checkpoint.convert import convert  # noqa: E402
 from jaxserve.checkpoint.load import load_model  # noqa: E402
 from jaxserve.checkpoint.quantize import LAYER_WEIGHTS, dequantize, param_bytes, quantize_params  # noqa: E402
 from jaxserve.default_model import DEFAULT_DIR, ensure_default_model, gguf_path  # noqa: E402
+from jaxserve.layers.linear import quantize_rows  # noqa: E402
 from jaxserve.models import llama  # noqa: E402
 from jaxserve.reference import ReferenceGenerator  # noqa: E402
 from jaxserve.tokenizer import Tokenizer  # noqa: E402
@@ -91,10 +92,8 @@ def block_quantized_activations(block: int):
 
     def fake(x, w, impl="xla", interpret=False):
         if not isinstance(w, dict):
-            xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-            scale = jnp.max(jnp.abs(xb), axis=-1, keepdims=True) / 127.0
-            scale = jnp.where(scale > 0, scale, 1.0)
-            x = (jnp.clip(jnp.round(xb / scale), -127, 127) * scale).reshape(x.shape)
+            xq, scale = quantize_rows(x.reshape(-1, block))  # one absmax scale per block
+            x = (xq * scale).reshape(x.shape).astype(x.dtype)
         return plain(x, w, impl, interpret)
 
     llama.linear = fake

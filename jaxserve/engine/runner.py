@@ -394,7 +394,7 @@ class ModelRunner:
             tables[i, :min(len(seq.pages), P)] = seq.pages[:P]
             row = chain.rows.get(id(seq)) if chain is not None else None
             if row is None:
-                tokens[i] = seq.tokens[it.start]
+                tokens[i] = seq.token_at(it.start)
             else:
                 chain_row[i] = row
         valid = np.clip(alloc[:n] - start[:n], 1, k).astype(np.int32)

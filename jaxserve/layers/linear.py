@@ -108,13 +108,12 @@ def tied_logits(hidden: jax.Array, table, impl: str = "xla") -> jax.Array:
     With impl "w8a8" the hidden rows are quantized too, at every row count."""
     if not isinstance(table, dict):
         return jnp.einsum("...D,VD->...V", hidden, table)
+    lead, flat = hidden.shape[:-1], hidden.reshape(-1, hidden.shape[-1])
     if impl == "w8a8":
-        lead, D = hidden.shape[:-1], hidden.shape[-1]
-        xq, xs = quantize_rows(hidden.reshape(-1, D))
+        xq, xs = quantize_rows(flat)
         out = _int8_dot(xq, table["q8"], ((1,), (1,))).astype(jnp.float32) * xs * table["scale"].astype(jnp.float32)
         return out.reshape(*lead, -1).astype(hidden.dtype)
-    lead, D = hidden.shape[:-1], hidden.shape[-1]
-    out = _widened_rows_dot(hidden.reshape(-1, D), table["q8"])
+    out = _widened_rows_dot(flat, table["q8"])
     return out.reshape(*lead, -1) * table["scale"].astype(hidden.dtype)
 
 
