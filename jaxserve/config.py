@@ -220,6 +220,9 @@ class EngineConfig:
     # Overlapped host loop: the next decode call is launched, fed by the last one's sampled ids
     # still on the device, before the host reads and postprocesses that last one.
     overlap: bool = True
+    # Automatic prefix caching (engine/prefix_cache.py): full pages of computed prompts stay
+    # cached after their request ends and a later prompt with the same prefix reuses them.
+    enable_prefix_caching: bool = True
     interpret: bool = False  # run Pallas kernels in interpret mode (tests on CPU)
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
     seed: int = 0

@@ -45,6 +45,7 @@ from jaxserve.checkpoint.load import load_model
 from jaxserve.checkpoint.quantize import quantize_at_load
 from jaxserve.config import EngineConfig
 from jaxserve.engine.pages import PagePool, kv_bytes_per_page, pages_for_budget
+from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.runner import Launched, ModelRunner, ScheduledItem, StepResult, enable_compilation_cache
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, by_priority
 from jaxserve.engine.sequence import InvalidRequest, SamplingParams, Sequence, Status, TokenEvent
@@ -84,6 +85,9 @@ class Engine:
             raise ValueError("the KV cache budget holds no page; raise kv_cache_memory_gib")
         self.config = dataclasses.replace(config, max_model_len=max_len)
         self.pool = PagePool(num_pages, config.page_size)
+        # What else makes a page's K/V: the weights (directory, quantization) and the cache dtype.
+        self.cache = PrefixCache(self.pool, f"{self.model_dir.resolve()}|{config.dtype}|{config.quantization}") \
+            if config.enable_prefix_caching else None
         self.runner = ModelRunner(self.model_cfg, params, self.config, num_pages)
         max_chunk = self.config.prefill_length_buckets[-1]
         budget = self.config.prefill_token_budget or max(self.runner.prefill_batches) * max_chunk
@@ -96,7 +100,7 @@ class Engine:
             max_preemptions=self.config.max_preemptions,
             preemption_mode=self.config.preemption_mode,
             swap_pages=self.swap_pages_for(config, page_bytes),
-            swap_min_tokens=self.config.swap_min_tokens), self.pool, order_key=by_priority)
+            swap_min_tokens=self.config.swap_min_tokens), self.pool, order_key=by_priority, cache=self.cache)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_cfg.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}
@@ -119,9 +123,10 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, timeout: float | None = None,
-                    arrival: float | None = None) -> Sequence:
+                    arrival: float | None = None, cache_salt: str | None = None) -> Sequence:
         """Queue a request; `timeout` (seconds from `arrival`, a time.monotonic() that defaults to
-        now; else the config's default) is its deadline."""
+        now; else the config's default) is its deadline. Requests with different `cache_salt`s
+        never share a cached page."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._seqs:
@@ -129,7 +134,7 @@ class Engine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(ids, params.max_tokens)
         self.check_logit_bias(params)
-        seq = Sequence(request_id, ids, params, priority=priority, arrival=arrival)
+        seq = Sequence(request_id, ids, params, priority=priority, arrival=arrival, cache_salt=cache_salt)
         timeout = self.config.default_timeout_s if timeout is None else timeout
         seq.deadline = None if timeout is None else seq.arrival + timeout
         seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
@@ -255,10 +260,13 @@ class Engine:
         handed to someone else in this very batch), then swapped-in sequences' data back."""
         for seq, pages in batch.swap_out:
             seq.swap_data = self.runner.copy_out(pages)
-        for seq in batch.swap_in:
-            self.runner.copy_in(seq.pages[:seq.swap_pages], seq.swap_data)  # it may have grown since
+        for seq in batch.swap_in:  # it may have grown since; its first swap_skip pages were cached
+            skip = seq.swap_skip
+            if skip < seq.swap_pages:
+                data = jax.tree.map(lambda a: a[:, skip:], seq.swap_data) if skip else seq.swap_data
+                self.runner.copy_in(seq.pages[skip:seq.swap_pages], data)
             seq.swap_data = None
-            seq.swap_pages = 0
+            seq.swap_pages = seq.swap_skip = 0
 
     def _run(self, batch) -> list[TokenEvent]:
         started = time.monotonic()
@@ -287,6 +295,8 @@ class Engine:
     def _fail(self, items: list[ScheduledItem], extra: list[Sequence], e: Exception) -> list[TokenEvent]:
         seqs = list({id(s): s for s in [it.seq for it in items] + extra}.values())
         log.exception("step failed; finishing %d request(s) with an error", len(seqs))
+        if self.cache is not None:  # what the failed call left in its pages is unknown
+            self.pool.clear_index()
         events = []
         for seq in seqs:
             if seq.is_finished:
@@ -317,6 +327,8 @@ class Engine:
                 continue
             if not it.samples:  # a prompt chunk short of the prompt's end
                 seq.num_computed = it.start + it.length
+                if self.cache is not None:
+                    self.cache.commit(seq)
                 continue
             try:
                 tokens, text, logprobs, reason = [], "", [], None
@@ -330,6 +342,8 @@ class Engine:
                         logprobs.append(self._logprobs(seq, result, i, j))
                     if reason is not None:
                         break
+                if self.cache is not None and reason is None:  # a finished one indexed its pages on release
+                    self.cache.commit(seq)
                 events.append(self._event(seq, tokens, text, reason, logprobs=logprobs or None))
             except Exception as e:
                 log.exception("postprocess failed for %s", seq.request_id)
@@ -384,7 +398,7 @@ class Engine:
         return TokenEvent(request_id=seq.request_id, token_ids=token_ids, text=text,
                           finished=done, finish_reason=seq.finish_reason if done else reason,
                           logprobs=logprobs, prompt_tokens=len(seq.prompt_ids),
-                          completion_tokens=len(seq.output_ids), error=error,
+                          completion_tokens=len(seq.output_ids), cached_tokens=seq.cached_tokens or 0, error=error,
                           scheduled_at=seq.scheduled_at if done else None,
                           preempted_at=tuple(seq.preempted_at) if done else ())
 
@@ -457,7 +471,7 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0, timeout: float | None = None,
-                       arrival: float | None = None) -> AsyncIterator[TokenEvent]:
+                       arrival: float | None = None, cache_salt: str | None = None) -> AsyncIterator[TokenEvent]:
         """Submit a request and iterate over its events; leaving the iteration early aborts it.
         `arrival` (time.monotonic(), default now) is when the deadline and FCFS order start."""
         request_id = request_id or uuid.uuid4().hex
@@ -465,7 +479,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, queue)
-        self._post(("add", request_id, prompt, params, priority, timeout, arrival))
+        self._post(("add", request_id, prompt, params, priority, timeout, arrival, cache_salt))
         finished = False
         try:
             while True:
@@ -507,10 +521,10 @@ class AsyncEngine:
                 inbox, self._inbox = self._inbox, []
             for item in inbox:
                 if item[0] == "add":
-                    _, rid, prompt, params, priority, timeout, arrival = item
+                    _, rid, prompt, params, priority, timeout, arrival, salt = item
                     try:
                         eng.add_request(prompt, params, request_id=rid, priority=priority, timeout=timeout,
-                                        arrival=arrival)
+                                        arrival=arrival, cache_salt=salt)
                     except Exception as e:  # invalid request: its caller gets the exception
                         self._deliver(rid, e)
                 else:

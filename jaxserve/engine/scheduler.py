@@ -32,6 +32,11 @@ A preemption is one of two kinds, per `preemption_mode`:
 
 The scheduler only decides: it lists the copies in the batch (`swap_out` before
 `swap_in`, both before the step), and the engine has the runner make them.
+
+With a prefix cache (engine/prefix_cache.py) a waiting sequence starts with the cached
+pages of its prefix and prefills only the rest; cached pages count as free pages. A
+swapped sequence resumes on whatever of its prefix is still cached and copies back only
+the rest. Every sequence that lets go of its pages first indexes its full computed ones.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import time
 from typing import Callable
 
 from jaxserve.engine.pages import PagePool
+from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.runner import ScheduledItem
 from jaxserve.engine.sequence import Sequence, Status
 
@@ -84,9 +90,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: PagePool, order_key: Callable[[Sequence], object] = fcfs):
+    def __init__(self, cfg: SchedulerConfig, pool: PagePool, order_key: Callable[[Sequence], object] = fcfs,
+                 cache: PrefixCache | None = None):
         self.cfg = cfg
         self.pool = pool
+        self.cache = cache
         self.order_key = order_key
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -117,7 +125,7 @@ class Scheduler:
             self.swapped.remove(seq)
             self.swap_used -= seq.swap_pages
             seq.swap_pages, seq.swap_data = 0, None
-        self.pool.release(seq.pages)
+        self._release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
@@ -126,7 +134,7 @@ class Scheduler:
         self.running.remove(seq)
         if seq in self._swap_in:  # swapped in during this very schedule(): its host copy is still there
             self._swap_in.remove(seq)
-            self.pool.release(seq.pages)
+            self._release(seq, commit=False)  # its new pages were never written
             self._park(seq, seq.swap_pages)
             return
         seq.num_preemptions += 1
@@ -136,12 +144,19 @@ class Scheduler:
         if mode == "swap":
             n = self.pool.pages_needed(seq.num_computed)
             self._swap_out.append((seq, seq.pages[:n]))
-            self.pool.release(seq.pages)
+            self._release(seq)
             self._park(seq, n)
         else:
-            self.pool.release(seq.pages)
+            self._release(seq)
             seq.num_computed = 0
             self.add(seq)
+
+    def _release(self, seq: Sequence, commit: bool = True) -> None:
+        """Free `seq`'s pages; with a prefix cache its full computed pages stay cached."""
+        if self.cache is not None and commit:
+            self.cache.commit(seq)
+        self.pool.release(seq.pages)
+        seq.num_indexed_pages = 0
 
     def _mode_for(self, seq: Sequence) -> str:
         mode = self.cfg.preemption_mode
@@ -166,10 +181,16 @@ class Scheduler:
                 return
             if self.waiting and min(map(self.order_key, self.waiting)) < self.order_key(seq):
                 return
-            if not self.pool.can_allocate(seq.swap_pages + self.cfg.watermark_pages) and self.running:
+            hit = self.cache.match(seq, seq.num_computed) if self.cache is not None else []
+            taking = self.pool.pages_needed(seq.num_computed) - len(hit) + (self.cache.taking(hit) if hit else 0)
+            if not self.pool.can_allocate(taking + self.cfg.watermark_pages) and self.running:
                 return
-            if not self.pool.grow(seq.pages, seq.num_computed):
+            if not self.pool.can_allocate(taking):
                 return
+            if hit:
+                self.cache.acquire(seq, hit, count=False)
+            self.pool.grow(seq.pages, seq.num_computed)
+            seq.swap_skip = min(len(hit), seq.swap_pages)
             self.swapped.remove(seq)
             self.swap_used -= seq.swap_pages
             seq.status = Status.RUNNING
@@ -244,11 +265,13 @@ class Scheduler:
 
         mid = [s for s in self.running if s.num_uncomputed > 1]
         mid_ids = {id(s) for s in mid}
+        cache = self.cache
+        pending = cache.pending(mid) if cache is not None else set()
         admitted: list[Sequence] = []
         blocked = False
         for seq in sorted(mid + self.waiting, key=self.order_key):
-            length = min(seq.num_uncomputed, cfg.max_prefill_chunk)
             if id(seq) in mid_ids:
+                length = min(seq.num_uncomputed, cfg.max_prefill_chunk)
                 if seq.status is not Status.RUNNING:
                     continue  # preempted in this very step to free a slot
                 if not fits(length):
@@ -259,18 +282,27 @@ class Scheduler:
             else:
                 if blocked:
                     continue
+                hit = cache.match(seq) if cache is not None else []
+                if cache is not None and cache.waits(seq, len(hit), pending):
+                    continue  # its next page is being computed now: it shares that page a step later
+                start = len(hit) * self.pool.page_size
+                length = min(seq.num_tokens - start, cfg.max_prefill_chunk)
                 if not fits(length):
                     break
                 if len(self.running) + len(admitted) >= cfg.max_num_seqs and not self._free_slot_for(seq, items):
                     blocked = True
                     continue
-                need = self.pool.pages_needed(length)
-                if (not self.pool.can_allocate(need + cfg.watermark_pages) and (self.running or admitted)) \
-                        or not self.pool.grow(seq.pages, length):
+                taking = self.pool.pages_needed(start + length) - len(hit) + (cache.taking(hit) if hit else 0)
+                if (not self.pool.can_allocate(taking + cfg.watermark_pages) and (self.running or admitted)) \
+                        or not self.pool.can_allocate(taking):
                     blocked = True
                     continue
+                if cache is not None:
+                    seq.num_computed = cache.acquire(seq, hit)
+                    pending.update(cache.pending([seq]))
+                self.pool.grow(seq.pages, start + length)
                 admitted.append(seq)
-                items.append(ScheduledItem(seq, 0, length))
+                items.append(ScheduledItem(seq, start, length))
             longest = max(longest, length)
         for seq in admitted:
             self.waiting.remove(seq)

@@ -95,6 +95,7 @@ class TokenEvent:
     logprobs: list[dict] | None = None  # per token: {"token_id", "logprob", "top": [(id, logprob), ...]}
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (OpenAI's usage.prompt_tokens_details)
     error: str | None = None
     # On the finishing event only (for the request's trace): time.monotonic() of its first
     # step and of each preemption.
@@ -113,7 +114,7 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
-                 priority: int = 0, arrival: float | None = None):
+                 priority: int = 0, arrival: float | None = None, cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -132,6 +133,12 @@ class Sequence:
         self.deadline: float | None = None  # time.monotonic() past which the request is ended
         self.swap_pages = 0  # host pages held while swapped out
         self.swap_data = None  # the runner's host copy of those pages (opaque to the scheduler)
+        self.swap_skip = 0  # of those, leading pages found in the prefix cache on resume (not copied back)
+        # Prefix caching (engine/prefix_cache.py): requests with different salts share no page.
+        self.cache_salt = cache_salt
+        self.page_hashes: list[bytes] = []  # chain hash of each full page of tokens, as far as computed
+        self.num_indexed_pages = 0  # leading pages of `pages` that are in the prefix index
+        self.cached_tokens: int | None = None  # prompt tokens found cached at its first admission
         # time.monotonic() of the first step it was in, its first and its latest token (metrics)
         self.scheduled_at: float | None = None
         self.first_token_at: float | None = None

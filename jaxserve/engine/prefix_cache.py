@@ -1,0 +1,129 @@
+"""Automatic prefix caching: a prompt's full pages are found again instead of recomputed.
+
+Each full page of a sequence is named by a hash chain,
+
+    h[0] = H(root(extra key, cache_salt), tokens[0:ps])
+    h[i] = H(h[i-1], tokens[i*ps:(i+1)*ps])
+
+so a page's name covers every token before it and everything else that changes its
+K/V: the model directory, its dtype and quantization (the extra key, one per engine)
+and the request's `cache_salt` (tenants with different salts never share a page).
+The pool's index maps these names to pages (engine/pages.py).
+
+Entering pages: `commit` lists a sequence's full pages below `num_computed`, called
+after a step has written them (postprocess) and before a sequence lets go of its pages
+(finish, preemption). So the index only ever names pages whose K/V are written and
+final: a page still being filled, or holding tokens a multi-step decode call may
+discard, is never in it.
+
+Finding pages: `match` walks a sequence's chain through the index and stops at the
+first miss. It never covers the last token, so a full hit still computes one token and
+samples the first output from it. `acquire` takes the pages (reference counts up,
+cached ones back from the LRU list) and marks those tokens computed: the scheduler then
+prefills only the rest, starting on a page boundary in a page of the sequence's own.
+
+The scheduler also holds back a waiting sequence whose next page is being computed
+right now by a running prompt (`pending`): a burst of requests with one system prompt,
+or the n choices of one request, compute it once and share it a step later.
+
+Hashes are 128-bit BLAKE2b, so a collision (a page of someone else's tokens) is as
+unlikely as in a content-addressed store.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+
+from jaxserve.engine.pages import PagePool
+from jaxserve.engine.sequence import Sequence
+
+
+def _h(parent: bytes, payload: bytes) -> bytes:
+    return hashlib.blake2b(parent + payload, digest_size=16).digest()
+
+
+class PrefixCache:
+    """The hash chains of sequences and their pages in the pool's index."""
+
+    def __init__(self, pool: PagePool, extra_key: str):
+        self.pool = pool
+        self.page_size = pool.page_size
+        self._root = _h(b"jaxserve-prefix-v1", extra_key.encode())
+        self.queries = 0  # prompt tokens looked up at admission (vLLM's prefix_cache_queries)
+        self.hits = 0  # of those, tokens found cached
+
+    def root(self, cache_salt: str | None) -> bytes:
+        return self._root if cache_salt is None else _h(self._root, b"salt:" + cache_salt.encode())
+
+    def hashes(self, seq: Sequence, num_pages: int) -> list[bytes]:
+        """The chain hashes of `seq`'s first `num_pages` full pages (kept on the sequence:
+        its tokens only ever grow)."""
+        out = seq.page_hashes
+        if len(out) < num_pages:
+            ps = self.page_size
+            tokens = seq.tokens
+            parent = out[-1] if out else self.root(seq.cache_salt)
+            for i in range(len(out), num_pages):
+                parent = _h(parent, array.array("i", tokens[i * ps:(i + 1) * ps]).tobytes())
+                out.append(parent)
+        return out[:num_pages]
+
+    def match(self, seq: Sequence, limit_tokens: int | None = None) -> list[int]:
+        """Indexed pages holding `seq`'s leading full pages, below `limit_tokens` (default: all
+        but the last token). Takes nothing."""
+        limit = seq.num_tokens - 1 if limit_tokens is None else limit_tokens
+        pages = []
+        for h in self.hashes(seq, max(limit, 0) // self.page_size):
+            page = self.pool.lookup(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def taking(self, pages: list[int]) -> int:
+        """How many of the free-counted pages acquiring `pages` uses up (the cached ones)."""
+        return sum(1 for p in pages if self.pool.refcount(p) == 0)
+
+    def acquire(self, seq: Sequence, pages: list[int], *, count: bool = True) -> int:
+        """Give `seq` (holding no pages) the matched `pages`; returns the tokens they hold.
+        `count` adds a lookup to the hit statistics (admission from waiting)."""
+        assert not seq.pages, "acquire needs a sequence without pages"
+        for p in pages:
+            self.pool.share(p)
+        seq.pages.extend(pages)
+        seq.num_indexed_pages = len(pages)
+        cached = len(pages) * self.page_size
+        if count:
+            self.queries += seq.num_tokens
+            self.hits += cached
+            if seq.cached_tokens is None:
+                seq.cached_tokens = min(cached, len(seq.prompt_ids))
+        return cached
+
+    def pending(self, seqs: list[Sequence]) -> set[bytes]:
+        """Hashes of full pages that `seqs` (prompts mid-prefill) have not computed yet."""
+        out: set[bytes] = set()
+        ps = self.page_size
+        for s in seqs:
+            out.update(self.hashes(s, s.num_tokens // ps)[s.num_computed // ps:])
+        return out
+
+    def waits(self, seq: Sequence, num_hit: int, pending: set[bytes]) -> bool:
+        """`seq`'s first page past its hit is being computed by another prompt: take it later."""
+        full = (seq.num_tokens - 1) // self.page_size
+        return num_hit < full and self.hashes(seq, num_hit + 1)[num_hit] in pending
+
+    def commit(self, seq: Sequence) -> None:
+        """Index `seq`'s full pages below num_computed (written by a step that has finished)."""
+        n = min(seq.num_computed // self.page_size, len(seq.pages))
+        if n <= seq.num_indexed_pages:
+            return
+        hashes = self.hashes(seq, n)
+        for i in range(seq.num_indexed_pages, n):
+            self.pool.index(seq.pages[i], hashes[i])  # False: another page holds this chain already
+        seq.num_indexed_pages = n
+
+    def stats(self) -> dict:
+        return {"queries": self.queries, "hits": self.hits, "cached_pages": self.pool.num_cached,
+                "indexed_pages": self.pool.num_indexed, "evictions": self.pool.evictions}
