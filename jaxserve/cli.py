@@ -51,7 +51,7 @@ def _cmd_generate_batch(args) -> int:
     from jaxserve.engine.sequence import InvalidRequest, SamplingParams
 
     entries = _read_prompts(args.prompts_file)
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching)
     tok = llm.tokenizer
     prompts, params = [], []
     try:
@@ -136,7 +136,8 @@ def serve_configs(args):
                              ("kv_cache_memory_gib", args.kv_cache_memory),
                              ("kv_cache_memory_fraction", args.kv_cache_memory_fraction),
                              ("quantization", args.quantization), ("decode_steps", args.decode_steps),
-                             ("overlap", args.overlap)) if v is not None}
+                             ("overlap", args.overlap), ("enable_prefix_caching", args.enable_prefix_caching))
+           if v is not None}
     if eng.get("quantization") == "none":  # over a preset that quantizes
         eng["quantization"] = None
     if "max_num_seqs" in eng and "decode_batch_buckets" not in eng:
@@ -210,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-file", help="one prompt per line: text, or JSON with prompt|messages and options; "
                                           "runs them all through the batch engine and reports throughput")
     g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="--prompts-file: reuse the KV pages of shared prompt prefixes (default: on)")
     g.add_argument("--model", required=True, help="converted model directory")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -236,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--decode-steps", type=int, metavar="N", help="decode steps per device call when no prompt waits")
     s.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next decode call before reading the last one (default: on)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV pages of prompt prefixes computed before (default: on)")
     s.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: one JSON object per line, each with its request_id")
     s.add_argument("--otlp-traces-endpoint", metavar="URL",

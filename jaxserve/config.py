@@ -370,6 +370,9 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20
     max_n: int = 8
     max_tokens_limit: int | None = None  # the most max_tokens a request may ask for (and the default cap)
+    # Prefix cache isolation: each API key's requests are salted with the key, so tenants never
+    # share cached KV pages (a shared page's timing would tell one tenant what another sent).
+    cache_salt_per_key: bool = False
     models: tuple[ModelSpec, ...] = ()
     admission: AdmissionConfig = AdmissionConfig()
 

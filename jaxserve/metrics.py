@@ -6,7 +6,8 @@ Two kinds of values:
               (`EngineMetrics`: a request's first token, every later token, its end,
               every step), labelled by `model_name`;
     read      gauges read at scrape time from the live objects (`StateCollector`:
-              running / waiting / swapped, KV cache usage, preemptions by mode,
+              running / waiting / swapped, KV cache usage and pages by state (used,
+              cached, free), prefix cache queries and hits, preemptions by mode,
               admission refusals by reason, device memory), so they are never stale
               and cost nothing between scrapes.
 
@@ -146,6 +147,9 @@ class StateCollector(Collector):
                                  labels=["model_name"])
         preempt = CounterMetricFamily("vllm:num_preemptions", "Preemptions, all modes.", labels=["model_name"])
         by_mode = CounterMetricFamily("jaxserve:preemptions", "Preemptions by mode.", labels=["model_name", "mode"])
+        queries = CounterMetricFamily("vllm:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache at admission.", labels=["model_name"])
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Of those, tokens found cached.", labels=["model_name"])
         compiled = GaugeMetricFamily("jaxserve:compile_seconds", "Seconds spent compiling the step buckets.",
                                      labels=["model_name"])
         executables = GaugeMetricFamily("jaxserve:compiled_steps", "Step shapes compiled (buckets) so far.",
@@ -160,7 +164,11 @@ class StateCollector(Collector):
             swapped.add_metric([name], st["swapped"])
             kv.add_metric([name], st["pages_used"] / st["pages_total"])
             pages.add_metric([name, "used"], st["pages_used"])
-            pages.add_metric([name, "free"], st["pages_total"] - st["pages_used"])
+            pages.add_metric([name, "cached"], st["pages_cached"])  # held by no one, kept for reuse
+            pages.add_metric([name, "free"], st["pages_total"] - st["pages_used"] - st["pages_cached"])
+            if st["prefix_cache"] is not None:
+                queries.add_metric([name], st["prefix_cache"]["queries"])
+                hits.add_metric([name], st["prefix_cache"]["hits"])
             swap.add_metric([name], st["swap_pages_used"] * engine.page_bytes)
             preempt.add_metric([name], sum(st["preemptions"].values()))
             for mode, n in st["preemptions"].items():
@@ -171,7 +179,8 @@ class StateCollector(Collector):
                                        labels=["reason"])
         for reason, n in sorted(self.rejections().items()):
             rejected.add_metric([reason], n)
-        yield from (running, waiting, swapped, kv, pages, swap, preempt, by_mode, compiled, executables, rejected)
+        yield from (running, waiting, swapped, kv, pages, swap, preempt, by_mode, queries, hits, compiled, executables,
+                    rejected)
         yield from _device_memory()
         yield from _nvml()
 

@@ -2,7 +2,7 @@
 
 The server holds 8 sequences in its batch and admits at most 24 in flight (16 waiting);
 keys key-a and key-b have 1,200 tokens per minute each (20 per second), key-load has
-no rate limit. Expected answers are the server's own greedy answers sent alone.
+no rate limit. Each key's requests are salted apart in the prefix cache. Expected answers are the server's own greedy answers sent alone.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from server_proc import ServerProcess
 CONFIG = """
 [server]
 api_keys = ["key-a", "key-b", "key-load"]
+cache_salt_per_key = true
 [server.admission]
 max_waiting = 16
 max_in_flight = 24
@@ -177,3 +178,23 @@ def test_a_half_second_deadline_on_a_busy_server_ends_within_one_step(server):
     assert during["running"] + during["waiting"] <= 8  # it is gone from the engine at once
     assert [f for f, _ in done] == ["length"] * 8
     assert _idle(server)["engine"]["pages_used"] == 0
+
+
+def test_each_api_key_has_its_own_prefix_cache(server):
+    """With cache_salt_per_key a 200-token prompt sent again by the same key finds 192 tokens
+    cached (12 whole pages; the last token is always computed); the same prompt from another
+    key, or with a cache_salt of its own, finds none."""
+    url = f"{server.url}/v1/completions"
+
+    def cached(key: str, **extra) -> int:
+        body = {"prompt": list(range(3000, 3200)), "max_tokens": 1, "temperature": 0, **extra}
+        r = httpx.post(url, headers={"Authorization": f"Bearer {key}"}, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("key-load") == 0
+    assert cached("key-load") == 192
+    assert cached("key-b") == 0
+    assert cached("key-b") == 192
+    assert cached("key-load", cache_salt="project-x") == 0
+    assert cached("key-load", cache_salt="project-x") == 192

@@ -157,4 +157,6 @@ def test_serve_flags_override_the_preset(tiny_model_dir):
         base + ["--quantization", "none", "--decode-steps", "1", "--no-overlap"]))
     assert (eng.quantization, eng.decode_steps, eng.overlap) == (None, 1, False)
     _, eng = serve_configs(build_parser().parse_args(base + ["--quantization", "w8a8"]))
-    assert eng.quantization == "w8a8" and eng.decode_steps == 4
+    assert eng.quantization == "w8a8" and eng.decode_steps == 4 and eng.enable_prefix_caching
+    _, eng = serve_configs(build_parser().parse_args(base + ["--no-enable-prefix-caching"]))
+    assert not eng.enable_prefix_caching and eng.quantization == "int8"

@@ -112,6 +112,42 @@ def test_chat_content_parts_and_max_completion_tokens(client, model):
     assert a.usage.completion_tokens == 5 and a.choices[0].finish_reason == "length"
 
 
+def _prefix_counters(server) -> tuple[float, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+              for s in f.samples if s.name.startswith("vllm:prefix_cache_")}
+    return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
+
+
+def test_a_shared_prefix_is_reported_cached_and_counted(server, client, model, tok):
+    """Two chats share a long system prompt: the second reports the shared prompt's whole
+    pages (16 tokens each, not its last token) as cached_tokens, streamed or not, and the
+    Prometheus counters move by exactly each prompt's length (queries) and its cached tokens
+    (hits). A different cache_salt finds nothing; an empty one is refused."""
+    system = {"role": "system", "content": "You are a terse assistant for a harbour office. " * 24}
+    first = [system, {"role": "user", "content": "When does the ferry leave?"}]
+    second = [system, {"role": "user", "content": "Where is the lighthouse?"}]
+    a_ids, b_ids = tok.encode_chat(first), tok.encode_chat(second)
+    common = next(i for i, (x, y) in enumerate(zip(a_ids, b_ids)) if x != y)
+    assert common > 250
+    q0, h0 = _prefix_counters(server)
+    a = chat(client, model, first, max_tokens=2, temperature=0)
+    q1, h1 = _prefix_counters(server)
+    assert a.usage.prompt_tokens_details.cached_tokens == 0
+    assert (q1 - q0, h1 - h0) == (len(a_ids), 0)
+    _, chunks = stream_text(chat(client, model, second, max_tokens=2, temperature=0, stream=True,
+                                 stream_options={"include_usage": True}))
+    q2, h2 = _prefix_counters(server)
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert cached == common // 16 * 16 > 0
+    assert (q2 - q1, h2 - h1) == (len(b_ids), cached)
+    salted = chat(client, model, second, max_tokens=2, temperature=0, extra_body={"cache_salt": "tenant-7"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    bad = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": second, "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
 def test_include_usage_on_a_final_chunk(client, model):
     _, chunks = stream_text(chat(client, model, QUESTION, max_tokens=6, temperature=0, stream=True,
                                  stream_options={"include_usage": True}))
@@ -662,6 +698,7 @@ def test_the_dashboard_updates_live_in_headless_chromium(server, tmp_path):
             page.screenshot(path=str(shot), full_page=True)
             text = page.inner_text("body")
             kv = page.inner_text("#stat-kv")
+            prefix = page.inner_text("#stat-prefix")
         finally:
             stop.set()
             for w in workers:
@@ -670,6 +707,7 @@ def test_the_dashboard_updates_live_in_headless_chromium(server, tmp_path):
             browser.close()
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
     assert "smollm2" in text and kv.endswith("%")
+    assert prefix.endswith(" %") and 0 < float(prefix[:-2]) <= 100  # the same question, again and again
     assert urls and all(u.startswith(server.url + "/") for u in urls), [u for u in urls if not u.startswith(server.url)]
     assert any(u.endswith("/metrics") for u in urls)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import hmac
 import importlib.metadata
 import json
@@ -78,6 +79,7 @@ class Choice:
     priority: int = 0  # lower is more urgent
     timeout: float | None = None  # seconds from `arrival`
     arrival: float | None = None  # time.monotonic() when the HTTP request came in
+    cache_salt: str | None = None  # requests with different salts share no cached page
 
 
 @dataclasses.dataclass
@@ -101,7 +103,8 @@ async def run_choices(runner: AsyncEngine, choices: list[Choice], rid: str
     async def pump(c: Choice):
         try:
             async for ev in runner.generate(c.prompt_ids, c.params, request_id=f"{rid}-{c.index}",
-                                            priority=c.priority, timeout=c.timeout, arrival=c.arrival):
+                                            priority=c.priority, timeout=c.timeout, arrival=c.arrival,
+                                            cache_salt=c.cache_salt):
                 queue.put_nowait((c.index, ev))
         except Exception as e:  # an invalid request or an engine error ends this choice only
             queue.put_nowait((c.index, e))
@@ -146,7 +149,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit: int | None = None,
-                 arrival: float | None = None) -> tuple[list[Choice], list[int]]:
+                 arrival: float | None = None, cache_salt: str | None = None) -> tuple[list[Choice], list[int]]:
     """Tokenize the prompts, resolve max_tokens, check each prompt fits: (choices, prompt lengths)."""
     if max_tokens_limit is not None and req.max_tokens is not None and req.max_tokens > max_tokens_limit:
         raise P.bad(f"max_tokens is {req.max_tokens}; this server allows at most {max_tokens_limit}",
@@ -182,7 +185,7 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
             engine.check_logit_bias(params[0])
         except InvalidRequest as e:
             raise P.bad(str(e), param="logit_bias", code="invalid_value") from None
-        choices.extend(Choice(pi * req.n + j, pi, ids, params[j], req.priority, req.timeout, arrival)
+        choices.extend(Choice(pi * req.n + j, pi, ids, params[j], req.priority, req.timeout, arrival, cache_salt)
                        for j in range(req.n))
     return choices, [len(ids) for ids in prompts]
 
@@ -199,6 +202,7 @@ class Responder:
         self.span = span or RequestSpan(None, "", None, {})
         self.generated = 0  # tokens generated so far, all choices (for the key's token quota)
         self.finish_reasons: dict[int, str] = {}
+        self.cached: dict[int, int] = {}  # choice index -> its prompt tokens found in the prefix cache
         self.num_choices = len(prompt_lens) * req.n
         # Engine ids are unique even when clients reuse an X-Request-Id (retries do).
         self.engine_rid = f"{rid}-{uuid.uuid4().hex[:8]}"
@@ -220,6 +224,7 @@ class Responder:
                 self.generated += len(item.token_ids)
                 if item.finished:
                     self.finish_reasons[index] = item.finish_reason
+                    self.cached[index] = item.cached_tokens
                     self._trace_engine_events(index, item)
                 if item.error:
                     self.error = item.error
@@ -246,6 +251,13 @@ class Responder:
                        "gen_ai.response.finish_reasons": reasons})
         self.span.event("finished")
         self.span.end(self.error)
+
+    def usage(self, completion_tokens: int) -> dict:
+        """Usage of the whole request: a prompt's cached tokens are those its choices all found
+        cached (its n choices share one prompt: the first computes what the rest reuse)."""
+        n = self.req.n
+        cached = sum(min(self.cached.get(p * n + j, 0) for j in range(n)) for p in range(self.num_choices // n))
+        return P.usage(self.prompt_tokens, completion_tokens, cached)
 
     def _logprobs(self, records: list[dict], offset: int = 0) -> dict | None:
         if self.req.logprobs is None:
@@ -281,7 +293,7 @@ class Responder:
             if ev.finished:
                 yield self._sse(self._chunk([self._piece(index, "", ev.finish_reason, None)]))
         if self.req.include_usage:
-            yield self._sse(self._chunk([], P.usage(self.prompt_tokens, completion_tokens)))
+            yield self._sse(self._chunk([], self.usage(completion_tokens)))
         yield {"data": "[DONE]"}
 
     @staticmethod
@@ -303,7 +315,7 @@ class Responder:
         if all(r.finish_reason == "timeout" and not r.completion_tokens for r in results.values()):
             raise APIError(504, f"the request timed out after {self.req.timeout} s before it produced a token",
                            param="timeout", code="timeout", type="timeout_error")
-        use = P.usage(self.prompt_tokens, sum(r.completion_tokens for r in results.values()))
+        use = self.usage(sum(r.completion_tokens for r in results.values()))
         if self.req.chat:
             out = [P.chat_choice(i, r.text, r.finish_reason, self._logprobs(r.logprobs)) for i, r in results.items()]
             return P.chat_response(self.rid, self.served.name, out, use)
@@ -324,6 +336,14 @@ def _resolve_priority(req: P.GenerationRequest, header: str | None, cfg: ServerC
     if not -(2**31) <= priority < 2**31:
         raise P.bad(f"'{param}' must fit in 32 bits, got {priority}", param=param, code="invalid_value")
     return dataclasses.replace(req, priority=priority)
+
+
+def _cache_salt(req: P.GenerationRequest, request: Request, cfg: ServerConfig) -> str | None:
+    """The body's cache_salt, prefixed with a digest of the API key when salting per key."""
+    if not cfg.cache_salt_per_key:
+        return req.cache_salt
+    key = hashlib.sha256(_api_key(request).encode()).hexdigest()[:32]
+    return f"key:{key}" + (f"|{req.cache_salt}" if req.cache_salt is not None else "")
 
 
 def _api_key(request: Request) -> str:
@@ -457,7 +477,8 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         request.state.span = span
         try:
             served = registry.get(req.model)
-            choices, prompt_lens = plan_choices(served, req, cfg.max_tokens_limit, arrival)
+            choices, prompt_lens = plan_choices(served, req, cfg.max_tokens_limit, arrival,
+                                                _cache_salt(req, request, cfg))
             ticket = admission.admit(model=served.name, key=_api_key(request), priority=req.priority,
                                      seqs=len(choices), prompt_tokens=sum(len(c.prompt_ids) for c in choices),
                                      max_new_tokens=sum(c.params.max_tokens for c in choices),

@@ -248,6 +248,7 @@ class GenerationRequest:
     user: str | None
     priority: int | str | None = None  # lower is more urgent (vLLM); a class name is resolved by the app
     timeout: float | None = None  # seconds from arrival; past it the request is ended
+    cache_salt: str | None = None  # vLLM's field: requests with different salts share no cached KV page
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """Choice i of n draws with seed + i, so n seeded choices differ yet each is reproducible."""
@@ -300,14 +301,26 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
                              include_usage=include_usage, n=n, max_tokens=max_tokens, logprobs=logprobs,
                              sampling=sampling, seed=seed, user=user,
                              priority=_priority(body),
-                             timeout=_field(body, "timeout", float, None, lo=0, lo_open=True))
+                             timeout=_field(body, "timeout", float, None, lo=0, lo_open=True),
+                             cache_salt=_cache_salt(body))
+
+
+def _cache_salt(body: dict) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise bad("'cache_salt' must be a non-empty string", param="cache_salt", code="invalid_value")
+    return salt
 
 
 # Responses -------------------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens whose KV came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class LogprobFormatter:

@@ -40,7 +40,8 @@ class ServedModel:
         e = self.engine
         sched = e.scheduler
         return {"ready": True, "running": e.num_running, "waiting": e.num_waiting, "swapped": len(sched.swapped),
-                "pages_used": e.pool.num_used, "pages_total": e.pool.num_pages, "swap_pages_used": sched.swap_used,
+                "pages_used": e.pool.num_used, "pages_total": e.pool.num_pages, "pages_cached": e.pool.num_cached,
+                "prefix_cache": e.cache.stats() if e.cache is not None else None, "swap_pages_used": sched.swap_used,
                 "preemptions": dict(sched.preemptions), "dead": self.runner.dead if self.runner else None}
 
 
