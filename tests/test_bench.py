@@ -36,6 +36,9 @@ from server_proc import free_port
 TTFT, GAP, CHUNKS, TOKENS, PROMPT_TOKENS = 0.200, 0.050, 5, 6, 10
 
 
+RECEIVED: list[tuple[float, dict]] = []  # (arrival, body) of every chat request the fake served
+
+
 def fake_app() -> Starlette:
     async def models(request):
         return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
@@ -46,6 +49,8 @@ def fake_app() -> Starlette:
             return JSONResponse({"error": {"message": "boom", "type": "server_error", "param": None,
                                            "code": None}}, status_code=500)
         chat = "messages" in body
+        if chat:
+            RECEIVED.append((time.monotonic(), body))
 
         async def events():
             await asyncio.sleep(TTFT)
@@ -55,6 +60,8 @@ def fake_app() -> Starlette:
                 choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"index": 0, "text": f"t{i} "}
                 yield f"data: {json.dumps({'choices': [choice]})}\n\n"
             usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": TOKENS}
+            if chat:  # as if everything before the last user message were cached
+                usage["prompt_tokens_details"] = {"cached_tokens": 2 * (len(body["messages"]) - 2)}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -167,3 +174,37 @@ def test_sweep_writes_table_json_and_plot(fake_url, default_model_dir, tmp_path)
     assert json.loads((tmp_path / "r.json").read_text())["results"][1]["num_prompts"] == 4
     report.plot({"fake": results}, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_multi_turn_conversations_resend_their_history_in_order(fake_url, default_model_dir):
+    """3 conversations of 3 turns at concurrency 2 over one 40-token system prompt: each turn
+    sends the system prompt, every earlier user message and the fake's answer to it, then the
+    new message; a conversation's turns never overlap and at most 2 conversations run at once;
+    the hit rate is the cached tokens the fake reported over its prompt tokens."""
+    from jaxserve.bench import multiturn
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--url", fake_url, "--tokenizer", str(default_model_dir), "--dataset", "multi-turn",
+                         "--num-prompts", "3", "--max-concurrency", "2", "--turns", "3", "--system-len", "40",
+                         "--input-len", "12", "--output-len", "6", "--warmup", "0"])
+    RECEIVED.clear()
+    (r,) = run_sweep(args, progress=False)
+    assert r["completed"] == 9 and r["conversations"] == 3 and sorted(r["ttft_by_turn"]) == [1, 2, 3]
+    bodies = [b for _, b in RECEIVED]
+    systems = {b["messages"][0]["content"] for b in bodies}
+    assert len(systems) == 1 and all(b["messages"][0]["role"] == "system" for b in bodies)
+    by_first_user = {}
+    for b in bodies:
+        by_first_user.setdefault(b["messages"][1]["content"], []).append(b["messages"])
+    assert len(by_first_user) == 3
+    for turns in by_first_user.values():
+        assert [len(m) for m in turns] == [2, 4, 6]  # in order, each one resending the last
+        for earlier, later in zip(turns, turns[1:]):
+            assert later[:len(earlier)] == earlier
+            assert later[len(earlier)] == {"role": "assistant", "content": "t0 t1 t2 t3 t4 "}
+    # 2 cached tokens per earlier message (the fake's claim) over 10 prompt tokens per request
+    assert r["cached_tokens"] == 3 * (0 + 4 + 8) and r["cache_hit_rate"] == pytest.approx(36 / 90)
+    wave = TTFT + 4 * GAP  # one turn; at most two conversations at once: ceil(3 / 2) x 3 turns
+    assert 6 * wave <= r["duration_s"] <= 6 * wave + 0.3
+    assert "40.0 %" in multiturn.table([r])

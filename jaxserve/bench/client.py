@@ -81,6 +81,9 @@ async def send(client: httpx.AsyncClient, base_url: str, p: BenchPrompt, model: 
         rec.output_tokens = len(rec.chunk_times)
     if usage and usage.get("prompt_tokens"):
         rec.prompt_tokens = int(usage["prompt_tokens"])
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    if isinstance(details.get("cached_tokens"), int):
+        rec.cached_tokens = details["cached_tokens"]
     if not rec.chunk_times:
         rec.error = "no text in the response"
     return rec

@@ -5,7 +5,8 @@ help texts of the language reference, ~800 KB of English prose and code), which
 every Python install carries. A prompt of N tokens is a window of that text that
 the benchmark's tokenizer encodes to N tokens, starting at a seeded random place.
 
-Length distributions:
+Length distributions (and `multi-turn`, conversations over one shared system prompt:
+jaxserve/bench/multiturn.py):
   fixed          every prompt has exactly `input_len` tokens and asks for `output_len`;
   sharegpt-like  lognormal lengths with medians `input_len` / `output_len` and a
                  spread `sigma`, clipped to [4, 4 x median]: the long right tail of
@@ -44,6 +45,18 @@ def _corpus_ids(tok: Tokenizer) -> list[int]:
     return tok.encode(text, add_special_tokens=False).ids
 
 
+_CORPUS: dict[int, list[int]] = {}  # id(tokenizer) -> its corpus ids, encoded once
+
+
+def corpus_window(tok: Tokenizer, rng: random.Random, n: int) -> str:
+    """Text of about `n` tokens, from a seeded random place in the corpus."""
+    ids = _CORPUS.get(id(tok))
+    if ids is None:
+        ids = _CORPUS[id(tok)] = _corpus_ids(tok)
+    start = rng.randrange(0, len(ids) - n)
+    return tok.decode(ids[start:start + n])
+
+
 def _lengths(rng: random.Random, n: int, median: int, sigma: float, kind: str) -> list[int]:
     if kind == "fixed":
         return [median] * n
@@ -56,15 +69,13 @@ def synthetic(tok: Tokenizer, n: int, input_len: int, output_len: int, *, kind: 
               sigma: float = 0.8, seed: int = 0, chat: bool = False) -> list[BenchPrompt]:
     """`n` prompts cut from the corpus; the same arguments always give the same prompts."""
     if kind not in ("fixed", "sharegpt-like"):
-        raise ValueError(f"unknown dataset {kind!r}: fixed, sharegpt-like or a .jsonl file")
+        raise ValueError(f"unknown dataset {kind!r}: fixed, sharegpt-like, multi-turn or a .jsonl file")
     rng = random.Random(seed)
-    ids = _corpus_ids(tok)
     ins = _lengths(rng, n, input_len, sigma, kind)
     outs = _lengths(rng, n, output_len, sigma, kind)
     prompts = []
     for p_len, o_len in zip(ins, outs):
-        start = rng.randrange(0, len(ids) - p_len)
-        text = tok.decode(ids[start:start + p_len])
+        text = corpus_window(tok, rng, p_len)
         count = len(tok.encode(text, add_special_tokens=False).ids)
         if chat:
             prompts.append(BenchPrompt(None, [{"role": "user", "content": text}], count, o_len))

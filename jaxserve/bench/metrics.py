@@ -33,6 +33,7 @@ class RequestRecord:
     output_tokens: int = 0
     text: str = ""
     error: str | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
 
     @property
     def ok(self) -> bool:
@@ -71,7 +72,7 @@ def parse_slos(spec: list[str] | None) -> dict[str, float]:
     return slos
 
 
-def _stats(values: list[float]) -> dict[str, float]:
+def stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": float("nan"), **{f"p{p}": float("nan") for p in PERCENTILES}}
     arr = np.asarray(values, np.float64)
@@ -98,10 +99,10 @@ def summarize(records: list[RequestRecord], duration: float, slos: dict[str, flo
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "ttft": _stats([r.ttft for r in ok]),
-        "tpot": _stats([r.tpot for r in ok if r.tpot is not None]),
-        "itl": _stats([g for r in ok for g in r.itls]),
-        "e2el": _stats([r.e2el for r in ok]),
+        "ttft": stats([r.ttft for r in ok]),
+        "tpot": stats([r.tpot for r in ok if r.tpot is not None]),
+        "itl": stats([g for r in ok for g in r.itls]),
+        "e2el": stats([r.e2el for r in ok]),
     }
     if slos:
         good = sum(_meets(r, slos) for r in ok)

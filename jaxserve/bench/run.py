@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from jaxserve.bench import dataset, report
+from jaxserve.bench import dataset, multiturn, report
 from jaxserve.bench.client import run_load
 from jaxserve.bench.metrics import parse_slos, summarize
 
@@ -47,6 +47,9 @@ def run_sweep(args, progress: bool = True) -> list[dict]:
         raise ValueError(f"--num-prompts gives {len(counts)} counts for {len(levels)} concurrency levels")
     results = []
     for level, n in zip(levels, counts):
+        if args.dataset == "multi-turn":
+            results.append(run_multiturn(args, tok, model, level, n, progress))
+            continue
         prompts = build_prompts(args, n + args.warmup, tok)
         warm, timed = prompts[n:], prompts[:n]  # the same timed prompts whatever the warm-up
         records, duration = asyncio.run(run_load(
@@ -63,12 +66,36 @@ def run_sweep(args, progress: bool = True) -> list[dict]:
     return results
 
 
+def run_multiturn(args, tok, model: str, level: int, n: int, progress: bool) -> dict:
+    """`n` conversations at concurrency `level`, after `args.warmup` unrelated warm-up prompts."""
+    count = lambda s: len(tok.encode(s, add_special_tokens=False).ids)  # noqa: E731
+    convs = multiturn.conversations(tok, n, args.turns, args.system_len, args.input_len, args.output_len, args.seed)
+    if args.warmup:
+        warm = dataset.synthetic(tok, args.warmup, 32, 4, seed=args.seed + 1, chat=True)
+        asyncio.run(run_load(args.url, model, warm, max_concurrency=1, warmup=len(warm), progress=False,
+                             count_tokens=count))
+    records, duration = asyncio.run(multiturn.run_conversations(
+        args.url, model, convs, max_concurrency=level or None, ignore_eos=not args.no_ignore_eos,
+        temperature=args.temperature, count_tokens=count))
+    r = multiturn.summarize_turns(records, duration)
+    r.update(max_concurrency=level or None, num_prompts=len(records), conversations=n, turns=args.turns,
+             system_len=args.system_len, model=model, url=args.url, dataset=args.dataset, input_len=args.input_len,
+             output_len=args.output_len, label=args.label)
+    if progress:
+        print(multiturn.table([r]).splitlines()[-1], file=sys.stderr)
+    return r
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="base URL of any OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--tokenizer", default="checkpoints/smollm2-135m-instruct",
                    help="directory with tokenizer.json, to build prompts of exact token lengths and count tokens")
-    p.add_argument("--dataset", default="fixed", help="fixed | sharegpt-like | PATH.jsonl")
+    p.add_argument("--dataset", default="fixed",
+                   help="fixed | sharegpt-like | multi-turn | PATH.jsonl; multi-turn: --num-prompts conversations "
+                        "of --turns turns over one --system-len system prompt, user messages of --input-len")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--system-len", type=int, default=1000, help="multi-turn: tokens of the shared system prompt")
     p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
     p.add_argument("--num-prompts", default="64", help="requests per run; a comma list gives one per --max-concurrency")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (the median for sharegpt-like)")
@@ -94,7 +121,7 @@ def main(args) -> int:
     except (ValueError, FileNotFoundError, httpx.HTTPError) as e:
         print(f"jaxserve bench: error: {e}", file=sys.stderr)
         return 1
-    print(report.table(results))
+    print(multiturn.table(results) if args.dataset == "multi-turn" else report.table(results))
     if args.result_json:
         report.save_json(args.result_json, {"started": t0, "machine": platform.machine(), "results": results})
     if args.plot:
