@@ -70,6 +70,8 @@ async def send(client: httpx.AsyncClient, base_url: str, p: BenchPrompt, model: 
                     rec.text += text
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                if isinstance((chunk.get("timings") or {}).get("cache_n"), int):
+                    rec.cached_tokens = chunk["timings"]["cache_n"]  # llama-server: prompt tokens its slot kept
     except (httpx.HTTPError, ValueError) as e:
         rec.error = f"{type(e).__name__}: {e}"
         return rec
