@@ -12,7 +12,8 @@ its cost when nothing hits. One run, one machine.
    slot's last prompt and reuses its common prefix). TTFT of turn 1 and of turns 2-4, and
    the hit rate each server reports.
 2. Nothing to hit: random 256-token prompts, 128 out, concurrency 16, against both jaxserve
-   servers (both up at once, idle while the other is measured), interleaved on, off, on, off.
+   servers (both up at once, idle while the other is measured), interleaved on, off, on, off,
+   ...; each round sends new prompts (seed 100 + round), the same to both servers.
 
 Results go between the bench-prefix markers of BENCHMARKS.md and to benchmarks/prefix.json.
 """
@@ -77,7 +78,7 @@ def main() -> int:
     ap.add_argument("--user-len", type=int, default=64)
     ap.add_argument("--answer-len", type=int, default=64)
     ap.add_argument("--random-prompts", type=int, default=32, help="requests per no-hit run (concurrency 16)")
-    ap.add_argument("--rounds", type=int, default=2, help="no-hit runs per jaxserve server, interleaved")
+    ap.add_argument("--rounds", type=int, default=3, help="no-hit runs per jaxserve server, interleaved")
     ap.add_argument("--skip", default="", help="comma list: llama-server, no-hit")
     ap.add_argument("--out-dir", default="benchmarks")
     ap.add_argument("--markdown", default="BENCHMARKS.md")
@@ -104,7 +105,9 @@ def main() -> int:
         if "no-hit" not in skip:
             for i in range(args.rounds):
                 for label in (on, off):
-                    nohit.setdefault(label, []).append(bench(procs[label][1], f"{label} #{i + 1}", *random_flags))
+                    # new prompts each round (seed i), the same for both servers within a round
+                    nohit.setdefault(label, []).append(bench(procs[label][1], f"{label} #{i + 1}", *random_flags,
+                                                             "--seed", str(100 + i)))
     finally:
         for proc, _, _ in procs.values():
             stop(proc)
@@ -153,7 +156,8 @@ def markdown(machine: dict, multi: dict, nohit: dict, commands: dict, args, wall
                          f"output throughput {tput:.2f}x.")
     if nohit:
         lines += ["", "Nothing to hit: random 256-token prompts, 128 out, concurrency 16, "
-                  f"{args.random_prompts} requests a run, the two jaxserve servers interleaved:", "",
+                  f"{args.random_prompts} requests a run, the two jaxserve servers interleaved, new prompts "
+                  "each round (the same for both servers):", "",
                   *results_table("run", {r["label"]: [r] for runs in zip(*nohit.values()) for r in runs})]
         mean = {k: sum(r["output_throughput"] for r in v) / len(v) for k, v in nohit.items()}
         lines += ["", f"Output throughput, caching on / off (mean of {args.rounds} runs each): "
