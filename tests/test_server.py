@@ -112,11 +112,14 @@ def test_chat_content_parts_and_max_completion_tokens(client, model):
     assert a.usage.completion_tokens == 5 and a.choices[0].finish_reason == "length"
 
 
-def _prefix_counters(server) -> tuple[float, float]:
+def _scrape(server) -> list:
     from prometheus_client.parser import text_string_to_metric_families
 
-    values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
-              for s in f.samples if s.name.startswith("vllm:prefix_cache_")}
+    return [s for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text) for s in f.samples]
+
+
+def _prefix_counters(server) -> tuple[float, float]:
+    values = {s.name: s.value for s in _scrape(server) if s.name.startswith("vllm:prefix_cache_")}
     return values["vllm:prefix_cache_queries_total"], values["vllm:prefix_cache_hits_total"]
 
 
@@ -142,6 +145,8 @@ def test_a_shared_prefix_is_reported_cached_and_counted(server, client, model, t
     cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
     assert cached == common // 16 * 16 > 0
     assert (q2 - q1, h2 - h1) == (len(b_ids), cached)
+    pages = {s.labels["state"]: s.value for s in _scrape(server) if s.name == "jaxserve:kv_cache_pages"}
+    assert pages["cached"] >= len(b_ids) // 16 and pages["used"] == 0  # both answers' pages stay for reuse
     salted = chat(client, model, second, max_tokens=2, temperature=0, extra_body={"cache_salt": "tenant-7"})
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
     bad = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": second, "cache_salt": ""})
