@@ -9,7 +9,7 @@ import random
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, rule
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
@@ -17,6 +17,7 @@ from jaxserve.engine.pages import PagePool
 from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, by_priority
 from jaxserve.engine.sequence import SamplingParams, Sequence, Status
+from test_pages import SchedulerMachine
 
 
 def seq_of(rid, tokens, salt=None, max_tokens=4, arrival=0.0):
@@ -93,13 +94,13 @@ def test_a_failed_step_forgets_the_index():
 STEMS = [list(range(10, 40)), list(range(50, 80))]
 
 
-class PrefixMachine(RuleBasedStateMachine):
+class PrefixMachine(SchedulerMachine):
     """Requests that share stems of random lengths, some salted, run by the real scheduler
     (auto preemption: recompute and swap) over a small pool. `slot[(page, offset)]` is what
     the simulated device wrote there: (salt, the whole token chain up to that position).
     The engine's host side is mimicked: copies before the step, writes of each item, then
     the postprocess that appends a token (a function of the chain, as greedy decoding is)
-    and indexes computed pages."""
+    and indexes computed pages. Aborts and the final drain are test_pages' machine's."""
 
     def __init__(self):
         super().__init__()
@@ -158,14 +159,8 @@ class PrefixMachine(RuleBasedStateMachine):
                     continue
             self.cache.commit(seq)
 
-    @precondition(lambda self: any(not s.is_finished for s in self.seqs))
-    @rule(data=st.data())
-    def abort(self, data):
-        live = [s for s in self.seqs if not s.is_finished]
-        self.sched.finish(data.draw(st.sampled_from(live)), "abort")
-
     @invariant()
-    def every_page_accounted_and_none_freed_while_held(self):
+    def pages_owned_once_and_none_leaked(self):  # the parent's invariant, for pages that may be shared
         pool = self.pool
         held: dict[int, int] = {}
         for s in self.seqs:
@@ -197,14 +192,6 @@ class PrefixMachine(RuleBasedStateMachine):
             assert len(chain) % ps == 0 and self.cache.hashes(probe, len(chain) // ps)[-1] == h
             for o in range(ps):
                 assert self.slot[(page, o)] == (salt, chain[:len(chain) - ps + o + 1])
-
-    def teardown(self):
-        for _ in range(3000):
-            if not self.sched.has_work:
-                break
-            self.step()
-        assert not self.sched.has_work, "requests did not all complete"
-        assert self.pool.num_used == 0
 
 
 PrefixMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
