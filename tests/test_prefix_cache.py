@@ -354,3 +354,32 @@ def test_preempted_sequences_resume_on_their_cached_prefix(tiny_model_dir, mode)
     sched = small.scheduler
     assert sched.preemptions[mode] > 0 and resumed_hits
     assert small.pool.num_used == 0 and sched.swap_used == 0
+
+
+def test_a_failed_device_step_fails_its_requests_and_empties_the_cache(engines):
+    """A call that raises ends the requests in it with an error and forgets every cached page
+    (their contents are no longer known); the next request computes from scratch and gets
+    the same answer as before."""
+    _, on = engines
+    rng = random.Random(4)
+    prompt = [rng.randrange(3, 49152) for _ in range(70)]
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    before = on.add_request(prompt, greedy)
+    on.run_until_done()
+    assert on.pool.num_cached > 0
+    launch = on.runner.launch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    on.runner.launch = broken
+    try:
+        failed = on.add_request(prompt, greedy)
+        on.run_until_done()
+    finally:
+        on.runner.launch = launch
+    assert failed.finish_reason == "error" and failed.cached_tokens == 64
+    assert on.pool.num_indexed == 0 and on.pool.num_cached == 0 and on.pool.num_used == 0
+    after = on.add_request(prompt, greedy)
+    on.run_until_done()
+    assert after.cached_tokens == 0 and after.output_ids == before.output_ids

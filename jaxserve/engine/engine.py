@@ -6,7 +6,8 @@ The life of a request inside the engine:
    token ids inside the vocabulary), draws a seed if it has none, and queues a
    `Sequence` as waiting.
 2. `step` asks the scheduler for a batch: a prefill step (prompt chunks of waiting
-   or mid-prompt sequences, pages allocated as the chunks arrive) or a decode step
+   or mid-prompt sequences, pages allocated as the chunks arrive; a waiting one first
+   takes the pages of its longest cached prefix, engine/prefix_cache.py) or a decode step
    (one token for every running sequence, preempting by recompute when pages run
    out).
 3. The runner pads the batch to a compiled bucket and launches the jitted call (model +
@@ -16,9 +17,10 @@ The life of a request inside the engine:
    last one before the host reads them: the host postprocesses call N while call N + 1
    runs. A sequence that finished in call N has its tokens of call N + 1 discarded.
 4. `postprocess` appends each sampled token, detokenizes incrementally, checks the
-   stop conditions (EOS / stop ids, stop strings, max_tokens, max_model_len), frees
-   the pages of finished sequences at once and returns one TokenEvent per request
-   that made progress (with every token it made in the call).
+   stop conditions (EOS / stop ids, stop strings, max_tokens, max_model_len), indexes
+   newly computed full pages in the prefix cache, frees the pages of finished sequences
+   at once (their full pages stay cached) and returns one TokenEvent per request that
+   made progress (with every token it made in the call).
 
 No exception escapes `step`: a request that fails in postprocess fails alone, and
 a failed device step finishes only the sequences that were in it, with an error.
@@ -295,8 +297,6 @@ class Engine:
     def _fail(self, items: list[ScheduledItem], extra: list[Sequence], e: Exception) -> list[TokenEvent]:
         seqs = list({id(s): s for s in [it.seq for it in items] + extra}.values())
         log.exception("step failed; finishing %d request(s) with an error", len(seqs))
-        if self.cache is not None:  # what the failed call left in its pages is unknown
-            self.pool.clear_index()
         events = []
         for seq in seqs:
             if seq.is_finished:
@@ -304,6 +304,8 @@ class Engine:
             self.scheduler.finish(seq, "error")
             self._seqs.pop(seq.request_id, None)
             events.append(self._event(seq, [], "", None, error=f"{type(e).__name__}: {e}"))
+        if self.cache is not None:  # what the failed call left in the cache is unknown: forget it all
+            self.pool.clear_index()
         return events
 
     def _complete(self, launched: Launched, started: float) -> list[TokenEvent]:
