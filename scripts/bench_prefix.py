@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -49,7 +50,7 @@ def start(label: str, out: Path, slots: int, ctx: int):
     name, extra = SERVERS[label]
     port = free_port()
     cmd = server_command(name, port, slots, ctx, extra)
-    log = out / f"prefix-{label.split(',')[0].split(' ')[0]}-{len(extra)}.log"
+    log = out / f"prefix-{re.sub(r'[^a-z]+', '-', label)}.log"
     print(f"== {label}: {shlex.join(cmd)}", file=sys.stderr)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)

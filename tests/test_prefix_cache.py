@@ -39,7 +39,7 @@ def test_released_pages_stay_cached_count_as_free_and_are_evicted_tail_first():
 
     b = seq_of("b", list(range(1, 10)) + [99] * 4)  # shares two full pages with a
     assert cache.match(b) == [head, a_second := pool.lookup(cache.hashes(b, 2)[1])] and a_second != tail
-    assert cache.taking(cache.match(b)) == 2
+    assert pool.pages_to_take(cache.match(b), 13) == 2 + 2  # both matched pages are cached, two more new
     assert cache.acquire(b, cache.match(b)) == 8 and b.cached_tokens == 8
     assert pool.num_used == 2 and pool.num_cached == 1  # only a's third page is still cached
     assert cache.queries == 13 and cache.hits == 8
@@ -244,10 +244,22 @@ def run_batched(engine, prompts, params, per_step=4):
     return [s.output_ids for s in seqs]
 
 
+def random_ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 49152) for _ in range(n)]
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
     return (Engine(tiny_model_dir, EngineConfig(**SMALL, enable_prefix_caching=False), warmup=False),
             Engine(tiny_model_dir, EngineConfig(**SMALL), warmup=False))
+
+
+@pytest.fixture
+def cold(engines):
+    """The caching engine with nothing cached."""
+    engines[1].pool.clear_index()
+    return engines[1]
 
 
 def test_outputs_do_not_depend_on_the_cache(engines):
@@ -267,11 +279,9 @@ def test_outputs_do_not_depend_on_the_cache(engines):
     assert on.pool.num_used == 0
 
 
-def test_cached_tokens_are_whole_pages_and_never_the_last_token(engines):
-    _, on = engines
-    on.pool.clear_index()
-    rng = random.Random(1)
-    base = [rng.randrange(3, 49152) for _ in range(100)]
+def test_cached_tokens_are_whole_pages_and_never_the_last_token(cold):
+    on = cold
+    base = random_ids(1, 100)
     greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     first = on.add_request(base[:80], greedy)
     on.run_until_done()
@@ -283,14 +293,12 @@ def test_cached_tokens_are_whole_pages_and_never_the_last_token(engines):
         assert seq.cached_tokens == cached, (len(prompt), seq.cached_tokens)
 
 
-def test_choices_and_bursts_of_one_prompt_compute_it_once(engines):
+def test_choices_and_bursts_of_one_prompt_compute_it_once(cold):
     """Four requests with one 130-token prompt arrive together: the first prefills it (a
     128-token chunk, then 2), the other three wait a step for its pages and share them."""
-    _, on = engines
-    on.pool.clear_index()
+    on = cold
     hits0 = on.cache.hits
-    rng = random.Random(2)
-    prompt = [rng.randrange(3, 49152) for _ in range(130)]
+    prompt = random_ids(2, 130)
     seqs = [on.add_request(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for _ in range(4)]
     while not all(s.output_ids for s in seqs):
         on.step()
@@ -302,11 +310,9 @@ def test_choices_and_bursts_of_one_prompt_compute_it_once(engines):
     assert len({tuple(s.output_ids) for s in seqs}) == 1
 
 
-def test_different_cache_salts_share_no_page(engines):
-    _, on = engines
-    on.pool.clear_index()
-    rng = random.Random(3)
-    prompt = [rng.randrange(3, 49152) for _ in range(100)]
+def test_different_cache_salts_share_no_page(cold):
+    on = cold
+    prompt = random_ids(3, 100)
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
     def shared_pages(salt_a, salt_b):
@@ -361,8 +367,7 @@ def test_a_failed_device_step_fails_its_requests_and_empties_the_cache(engines):
     (their contents are no longer known); the next request computes from scratch and gets
     the same answer as before."""
     _, on = engines
-    rng = random.Random(4)
-    prompt = [rng.randrange(3, 49152) for _ in range(70)]
+    prompt = random_ids(4, 70)
     greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     before = on.add_request(prompt, greedy)
     on.run_until_done()

@@ -45,14 +45,14 @@ def _corpus_ids(tok: Tokenizer) -> list[int]:
     return tok.encode(text, add_special_tokens=False).ids
 
 
-_CORPUS: dict[int, list[int]] = {}  # id(tokenizer) -> its corpus ids, encoded once
+_CORPUS: list = [None, None]  # [tokenizer, its corpus ids]: encoded once per tokenizer
 
 
 def corpus_window(tok: Tokenizer, rng: random.Random, n: int) -> str:
     """Text of about `n` tokens, from a seeded random place in the corpus."""
-    ids = _CORPUS.get(id(tok))
-    if ids is None:
-        ids = _CORPUS[id(tok)] = _corpus_ids(tok)
+    if _CORPUS[0] is not tok:
+        _CORPUS[:] = [tok, _corpus_ids(tok)]
+    ids = _CORPUS[1]
     start = rng.randrange(0, len(ids) - n)
     return tok.decode(ids[start:start + n])
 

@@ -92,6 +92,11 @@ class PagePool:
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 
+    def pages_to_take(self, shared: list[int], num_tokens: int) -> int:
+        """How far the free count drops when a block table starts with the `shared` pages (cached
+        ones leave the free count when taken back) and grows to hold `num_tokens`."""
+        return self.pages_needed(num_tokens) - len(shared) + sum(1 for p in shared if self._refs[p] == 0)
+
     def allocate(self, n: int) -> list[int]:
         """`n` pages with reference count 1: free pages first, then the least recently cached."""
         if n > self.num_free:

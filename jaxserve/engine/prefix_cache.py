@@ -81,10 +81,6 @@ class PrefixCache:
             pages.append(page)
         return pages
 
-    def taking(self, pages: list[int]) -> int:
-        """How many of the free-counted pages acquiring `pages` uses up (the cached ones)."""
-        return sum(1 for p in pages if self.pool.refcount(p) == 0)
-
     def acquire(self, seq: Sequence, pages: list[int], *, count: bool = True) -> int:
         """Give `seq` (holding no pages) the matched `pages`; returns the tokens they hold.
         `count` adds a lookup to the hit statistics (admission from waiting)."""

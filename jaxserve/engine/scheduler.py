@@ -182,7 +182,7 @@ class Scheduler:
             if self.waiting and min(map(self.order_key, self.waiting)) < self.order_key(seq):
                 return
             hit = self.cache.match(seq, seq.num_computed) if self.cache is not None else []
-            taking = self.pool.pages_needed(seq.num_computed) - len(hit) + (self.cache.taking(hit) if hit else 0)
+            taking = self.pool.pages_to_take(hit, seq.num_computed)
             if not self.pool.can_allocate(taking + self.cfg.watermark_pages) and self.running:
                 return
             if not self.pool.can_allocate(taking):
@@ -292,7 +292,7 @@ class Scheduler:
                 if len(self.running) + len(admitted) >= cfg.max_num_seqs and not self._free_slot_for(seq, items):
                     blocked = True
                     continue
-                taking = self.pool.pages_needed(start + length) - len(hit) + (cache.taking(hit) if hit else 0)
+                taking = self.pool.pages_to_take(hit, start + length)
                 if (not self.pool.can_allocate(taking + cfg.watermark_pages) and (self.running or admitted)) \
                         or not self.pool.can_allocate(taking):
                     blocked = True
