@@ -611,9 +611,11 @@ def test_a_real_prometheus_scrapes_ttft_quantiles_and_kv_usage(server, model, tm
                             stdout=log, stderr=subprocess.STDOUT)
 
     def query(q: str) -> list:
-        r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": q}, timeout=10).json()
-        assert r["status"] == "success", r
-        return r["data"]["result"]
+        r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": q}, timeout=10)
+        r.raise_for_status()  # 503 "Service Unavailable" until its TSDB has opened: asked again below
+        body = r.json()
+        assert body["status"] == "success", body
+        return body["data"]["result"]
 
     def until(q: str, ok, what: str):
         deadline = time.monotonic() + 60
@@ -646,7 +648,7 @@ def test_a_real_prometheus_scrapes_ttft_quantiles_and_kv_usage(server, model, tm
 
     try:
         until(f'up{{job="jaxserve"}}', lambda v: v == 1, "the server up")
-        until(f"vllm:generation_tokens_total{sel}", lambda v: v > 0, "the counter before the traffic")
+        until(f"vllm:generation_tokens_total{sel}", lambda v: v >= 0, "the counter before the traffic")
         ttfts = asyncio.run(traffic())
         generated = scrape(server)[("vllm:generation_tokens_total", (("model_name", model),))]
         until(f"vllm:generation_tokens_total{sel}", lambda v: v == generated, "the traffic's last token")
