@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: serve generate test install install-test install-bench model bench-latency bench-throughput bench-compare clean
+.PHONY: serve cluster generate test install install-test install-cluster install-bench model bench-latency bench-throughput bench-compare clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,11 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,cluster]'
+	touch $@
+
+$(VENV)/.installed-cluster: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[cluster]'
 	touch $@
 
 # Debian's Prometheus and Chromium, for the tests that scrape a live server with a real
@@ -32,6 +36,7 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test /usr/bin/prometheus /usr/bin/chromium
 install-bench: $(VENV)/.installed-bench
+install-cluster: $(VENV)/.installed-cluster
 
 $(MODEL)/params: $(VENV)/.installed
 	$(PY) scripts/fetch_default_model.py
@@ -40,6 +45,10 @@ model: $(MODEL)/params
 
 serve: install model
 	$(VENV)/bin/jaxserve serve --config configs/server.toml --model $(MODEL) --host $(HOST) --port $(PORT)
+
+# Two CPU replicas of the default model on a local Ray cluster, behind one ingress (configs/cluster.toml).
+cluster: install-cluster model
+	$(VENV)/bin/jaxserve cluster --config configs/cluster.toml --host $(HOST) --port $(PORT)
 
 generate: install model
 	$(VENV)/bin/jaxserve generate --model $(MODEL) --chat "$(PROMPT)"

@@ -1,9 +1,10 @@
-"""`jaxserve` command line: serve, convert, generate, chat, bench."""
+"""`jaxserve` command line: serve, cluster, convert, generate, chat, bench."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -181,6 +182,38 @@ def _cmd_serve(args) -> int:
     return 0
 
 
+def _cmd_cluster(args) -> int:
+    import dataclasses
+    import logging
+
+    from jaxserve.config import ConfigError
+    from jaxserve.serving.tracing import configure_logging
+
+    configure_logging("text", logging.INFO)
+    try:
+        from jaxserve.cluster.config import load_cluster_config
+
+        cfg = load_cluster_config(args.config)
+        over = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **over))
+        for m in cfg.models:
+            if not (Path(m.path) / "config.json").is_file():
+                raise ConfigError(f"{m.path}: not a converted model directory (no config.json); see `jaxserve convert`")
+    except ConfigError as e:
+        print(f"jaxserve cluster: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        print(f"jaxserve cluster: error: {e.name} is missing: pip install 'jaxserve[cluster]'", file=sys.stderr)
+        return 2
+    if args.address and (Path.home() / ".ray" / "auth_token").is_file():
+        # A cluster started by ray.init or `ray start` requires Ray's token by default; a joining
+        # driver sends it only in token mode, which must be set before ray is imported.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from jaxserve.cluster.deploy import run_cluster
+
+    return run_cluster(cfg, args.address, cfg.server.host, cfg.server.port)
+
+
 def _cmd_chat(args) -> int:
     from jaxserve.chat_client import chat_loop
 
@@ -248,6 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--profiler-port", type=int, metavar="PORT",
                    help="start jax.profiler's server for XProf / TensorBoard capture on this port")
     s.set_defaults(func=_cmd_serve)
+
+    k = sub.add_parser("cluster", help="serve models on Ray Serve: replicas, routing, autoscaling (jaxserve[cluster])")
+    k.add_argument("--config", required=True, metavar="FILE", help="cluster TOML (configs/cluster.toml)")
+    k.add_argument("--address", help="join this Ray cluster (e.g. auto, or HOST:6379), deploy or update, and "
+                                     "return; without it a local cluster is started and served until Ctrl-C")
+    k.add_argument("--host", help="the ingress's address (default: [server] host)")
+    k.add_argument("--port", type=int, help="the ingress's port (default: [server] port)")
+    k.set_defaults(func=_cmd_cluster)
 
     h = sub.add_parser("chat", help="chat in the terminal with a running server (streams the answers)")
     h.add_argument("--url", default="http://127.0.0.1:8000")

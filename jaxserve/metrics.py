@@ -26,6 +26,8 @@ from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 # vLLM's bucket boundaries (seconds), so quantiles line up with its dashboards.
@@ -71,12 +73,18 @@ class Metrics:
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.state = StateCollector()
         r.register(self.state)
+        self.peers: Callable[[], list[tuple[str, bytes]]] | None = None
 
     def for_model(self, name: str) -> "EngineMetrics":
         return EngineMetrics(self, name)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """This process's exposition; with `peers` (a cluster's ingress: the replicas' expositions
+        by replica id), all of them merged, each sample labelled with its `replica`."""
+        own = generate_latest(self.registry)
+        if self.peers is None:
+            return own
+        return merge_expositions([("ingress", own), *self.peers()])
 
 
 class EngineMetrics:
@@ -226,3 +234,23 @@ def _nvml() -> Iterable:
         util.add_metric([str(i)], nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100)
         mem.add_metric([str(i)], nvml.nvmlDeviceGetMemoryInfo(handle).used)
     yield from (util, mem)
+
+
+def merge_expositions(parts: list[tuple[str, bytes]]) -> bytes:
+    """Prometheus text from several processes as one exposition: each family once, each
+    sample with a `replica` label naming the part it came from (the text format forbids a
+    family twice, so concatenation would not do)."""
+    families: dict[str, Metric] = {}
+    for replica, text in parts:
+        for fam in text_string_to_metric_families(text.decode()):
+            merged = families.get(fam.name)
+            if merged is None:
+                merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            for s in fam.samples:
+                merged.samples.append(s._replace(labels={**s.labels, "replica": replica}))
+
+    class _Merged:
+        def collect(self):
+            return iter(families.values())
+
+    return generate_latest(_Merged())

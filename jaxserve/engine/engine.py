@@ -48,6 +48,7 @@ from jaxserve.checkpoint.quantize import quantize_at_load
 from jaxserve.config import EngineConfig
 from jaxserve.engine.pages import PagePool, kv_bytes_per_page, pages_for_budget
 from jaxserve.engine.prefix_cache import PrefixCache
+from jaxserve.engine.limits import RequestLimits
 from jaxserve.engine.runner import Launched, ModelRunner, ScheduledItem, StepResult, enable_compilation_cache
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, by_priority
 from jaxserve.engine.sequence import InvalidRequest, SamplingParams, Sequence, Status, TokenEvent
@@ -87,6 +88,7 @@ class Engine:
             raise ValueError("the KV cache budget holds no page; raise kv_cache_memory_gib")
         self.config = dataclasses.replace(config, max_model_len=max_len)
         self.pool = PagePool(num_pages, config.page_size)
+        self.limits = RequestLimits(self.model_cfg.vocab_size, max_len, self.pool.num_tokens)
         # What else makes a page's K/V: the weights (directory, quantization) and the cache dtype.
         self.cache = PrefixCache(self.pool, f"{self.model_dir.resolve()}|{config.dtype}|{config.quantization}") \
             if config.enable_prefix_caching else None
@@ -149,34 +151,15 @@ class Engine:
     @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt + output) one request may hold: the context length or the whole pool."""
-        return min(self.config.max_model_len, self.pool.num_tokens)
+        return self.limits.max_request_tokens
 
     def check_request(self, ids: list[int], max_tokens: int) -> None:
-        """Raise InvalidRequest unless a prompt of `ids` with `max_tokens` can ever be served.
-
-        Reads only fixed configuration, so the HTTP layer may call it from its own thread
-        before it starts a stream.
-        """
-        if not ids:
-            raise InvalidRequest("the prompt is empty")
-        vocab = self.model_cfg.vocab_size
-        if any(not (0 <= t < vocab) for t in ids):
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
-        limit = self.config.max_model_len
-        if len(ids) + max_tokens > limit:
-            raise InvalidRequest(f"this model's maximum context length is {limit} tokens; the prompt has "
-                                 f"{len(ids)} tokens and max_tokens is {max_tokens}")
-        capacity = self.pool.num_tokens
-        if len(ids) + max_tokens > capacity:
-            raise InvalidRequest(f"the KV cache holds {capacity} tokens; the prompt has {len(ids)} tokens and "
-                                 f"max_tokens is {max_tokens}")
+        """Raise InvalidRequest unless a prompt of `ids` with `max_tokens` can ever be served."""
+        self.limits.check_request(ids, max_tokens)
 
     def check_logit_bias(self, params: SamplingParams) -> None:
         """Raise InvalidRequest unless every logit_bias token id is in the vocabulary."""
-        vocab = self.model_cfg.vocab_size
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            raise InvalidRequest(f"logit_bias token id {bad[0]} is not in the vocabulary [0, {vocab})")
+        self.limits.check_logit_bias(params)
 
     def abort(self, request_id: str) -> TokenEvent | None:
         seq = self._seqs.pop(request_id, None)
@@ -463,6 +446,10 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
         self.dead: str | None = None
+        # time.monotonic() when the engine thread began the iteration it is in (None while it
+        # waits for work): an iteration is one inbox drain and one step, so a large age means
+        # the thread is stuck (a hung device call, a deadlock), which `stalled_for` reports.
+        self._busy_since: float | None = None
         self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -500,6 +487,15 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
+    def call_in_engine_thread(self, fn) -> None:
+        """Run `fn()` on the engine thread before its next step (tests use it to block the thread)."""
+        self._post(("call", fn))
+
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds the engine thread has spent in its current iteration (0 while idle)."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, (time.monotonic() if now is None else now) - since)
+
     def shutdown(self) -> None:
         with self._cv:
             self._stop = True
@@ -516,13 +512,21 @@ class AsyncEngine:
         eng = self.engine
         while True:
             with self._cv:
-                while not self._inbox and not eng.has_unfinished and not self._stop:
-                    self._cv.wait()
+                if not self._inbox and not eng.has_unfinished and not self._stop:
+                    self._busy_since = None
+                    while not self._inbox and not eng.has_unfinished and not self._stop:
+                        self._cv.wait()
                 if self._stop:
                     return
+                self._busy_since = time.monotonic()
                 inbox, self._inbox = self._inbox, []
             for item in inbox:
-                if item[0] == "add":
+                if item[0] == "call":
+                    try:
+                        item[1]()
+                    except Exception:  # noqa: BLE001 - a hook's failure is its own
+                        log.exception("a call on the engine thread raised")
+                elif item[0] == "add":
                     _, rid, prompt, params, priority, timeout, arrival, salt = item
                     try:
                         eng.add_request(prompt, params, request_id=rid, priority=priority, timeout=timeout,

@@ -43,6 +43,18 @@ def _h(parent: bytes, payload: bytes) -> bytes:
     return hashlib.blake2b(parent + payload, digest_size=16).digest()
 
 
+def chain_hashes(tokens: list[int], page_size: int, parent: bytes, start: int = 0,
+                 stop: int | None = None) -> list[bytes]:
+    """The chain's names of full pages start..stop-1 of `tokens` (default: every full page),
+    from `parent`: the name of page start-1, or a root when start is 0."""
+    stop = len(tokens) // page_size if stop is None else stop
+    out = []
+    for i in range(start, stop):
+        parent = _h(parent, array.array("i", tokens[i * page_size:(i + 1) * page_size]).tobytes())
+        out.append(parent)
+    return out
+
+
 class PrefixCache:
     """The hash chains of sequences and their pages in the pool's index."""
 
@@ -61,12 +73,8 @@ class PrefixCache:
         its tokens only ever grow)."""
         out = seq.page_hashes
         if len(out) < num_pages:
-            ps = self.page_size
-            tokens = seq.tokens
             parent = out[-1] if out else self.root(seq.cache_salt)
-            for i in range(len(out), num_pages):
-                parent = _h(parent, array.array("i", tokens[i * ps:(i + 1) * ps]).tobytes())
-                out.append(parent)
+            out.extend(chain_hashes(seq.tokens, self.page_size, parent, len(out), num_pages))
         return out[:num_pages]
 
     def match(self, seq: Sequence, limit_tokens: int | None = None) -> list[int]:

@@ -38,13 +38,12 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from jaxserve.config import ConfigError, ServerConfig
-from jaxserve.engine.engine import AsyncEngine
 from jaxserve.engine.sequence import InvalidRequest, SamplingParams, TokenEvent
 from jaxserve.metrics import CONTENT_TYPE, Metrics
 from jaxserve.serving import protocol as P
 from jaxserve.serving.admission import Admission, Ticket
 from jaxserve.serving.protocol import APIError
-from jaxserve.serving.registry import ModelRegistry, ServedModel
+from jaxserve.serving.registry import ModelRegistry, Runner, ServedModel
 from jaxserve.serving.tracing import REQUEST_ID, RequestSpan, request_id_from
 from jaxserve.tokenizer import ChatTemplateError
 
@@ -91,7 +90,7 @@ class ChoiceResult:
     error: str | None = None
 
 
-async def run_choices(runner: AsyncEngine, choices: list[Choice], rid: str
+async def run_choices(runner: "Runner", choices: list[Choice], rid: str
                       ) -> AsyncIterator[tuple[int, TokenEvent | Exception]]:
     """Merge the event streams of every choice: yields (choice index, event or exception).
 
@@ -154,7 +153,7 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
     if max_tokens_limit is not None and req.max_tokens is not None and req.max_tokens > max_tokens_limit:
         raise P.bad(f"max_tokens is {req.max_tokens}; this server allows at most {max_tokens_limit}",
                     param="max_tokens", code="invalid_value")
-    engine, tok = served.engine, served.engine.tokenizer
+    limits, tok = served.limits, served.tokenizer
     if req.chat:
         try:
             prompts = [tok.encode_chat(req.messages)]
@@ -163,7 +162,7 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
     else:
         prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
     param = "messages" if req.chat else "prompt"
-    limit = engine.max_request_tokens
+    limit = limits.max_request_tokens
     choices = []
     for pi, ids in enumerate(prompts):
         max_tokens = req.max_tokens
@@ -176,13 +175,13 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
                             f"{len(ids)} tokens, which leaves no room to generate", param=param,
                             code="context_length_exceeded")
         try:
-            engine.check_request(ids, max_tokens)
+            limits.check_request(ids, max_tokens)
             params = [req.sampling_params(max_tokens, j) for j in range(req.n)]
         except InvalidRequest as e:
             code = "context_length_exceeded" if "context length" in str(e) or "KV cache" in str(e) else None
             raise P.bad(str(e), param=param, code=code) from None
         try:
-            engine.check_logit_bias(params[0])
+            limits.check_logit_bias(params[0])
         except InvalidRequest as e:
             raise P.bad(str(e), param="logit_bias", code="invalid_value") from None
         choices.extend(Choice(pi * req.n + j, pi, ids, params[j], req.priority, req.timeout, arrival, cache_salt)
@@ -209,7 +208,7 @@ class Responder:
         self.error: str | None = None
         self.started = time.monotonic()
         self.prompt_tokens = sum(prompt_lens)
-        tok = served.engine.tokenizer
+        tok = served.tokenizer
         self.fmt = P.LogprobFormatter(lambda i: tok.decode([i], skip_special_tokens=False))
         self.created = int(time.time())
 
@@ -450,7 +449,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
 
     def model_card(m: ServedModel) -> dict:
         return {"id": m.name, "object": "model", "created": m.created, "owned_by": "jaxserve",
-                "max_model_len": m.engine.max_request_tokens if m.engine else None}
+                "max_model_len": m.limits.max_request_tokens if m.limits else None}
 
     async def models(request: Request, rid: str):
         return JSONResponse({"object": "list", "data": [model_card(m) for m in registry.models.values()]})
@@ -482,7 +481,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
             ticket = admission.admit(model=served.name, key=_api_key(request), priority=req.priority,
                                      seqs=len(choices), prompt_tokens=sum(len(c.prompt_ids) for c in choices),
                                      max_new_tokens=sum(c.params.max_tokens for c in choices),
-                                     pool_tokens=served.engine.pool.num_tokens)
+                                     pool_tokens=served.limits.pool_tokens)
         except APIError as e:
             span.end(f"{e.status} {e.code}: {e.message}")
             raise

@@ -12,13 +12,27 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable
+from typing import AsyncIterator, Callable, Protocol
 
 from jaxserve.config import EngineConfig, ModelSpec
 from jaxserve.engine.engine import AsyncEngine, Engine
+from jaxserve.engine.limits import RequestLimits
+from jaxserve.engine.sequence import SamplingParams, TokenEvent
 from jaxserve.serving.protocol import APIError
+from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    """What the HTTP layer drives a model through: an AsyncEngine in this process, or a
+    cluster's handle on a model's replicas (cluster/ingress.py)."""
+
+    dead: str | None  # why the model can no longer serve, else None
+
+    def generate(self, prompt: list[int], params: SamplingParams, request_id: str, priority: int = 0,
+                 timeout: float | None = None, arrival: float | None = None,
+                 cache_salt: str | None = None) -> AsyncIterator[TokenEvent]: ...
 
 
 @dataclasses.dataclass
@@ -33,6 +47,14 @@ class ServedModel:
     @property
     def ready(self) -> bool:
         return self.runner is not None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def limits(self) -> RequestLimits | None:
+        return self.engine.limits if self.engine is not None else None
 
     def stats(self) -> dict:
         if self.engine is None:
