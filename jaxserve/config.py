@@ -409,8 +409,8 @@ def _build(cls, table: dict[str, Any], where: str):
         raise ConfigError(f"{where}: {e}") from None
 
 
-def load_config_file(path: str | Path) -> tuple[ServerConfig, EngineConfig]:
-    """Read a TOML preset with optional `[server]` and `[engine]` tables and `[[server.models]]` entries."""
+def read_toml(path: str | Path, tables: tuple[str, ...]) -> dict[str, Any]:
+    """A TOML file's top-level tables, each one of `tables`; ConfigError names what is wrong."""
     import tomllib
 
     path = Path(path)
@@ -420,8 +420,14 @@ def load_config_file(path: str | Path) -> tuple[ServerConfig, EngineConfig]:
         raise ConfigError(f"{path}: no such config file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML ({e})") from None
-    unknown = sorted(set(data) - {"server", "engine"})
+    unknown = sorted(set(data) - set(tables))
     if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {', '.join(unknown)} (known: server, engine)")
+        raise ConfigError(f"{path}: unknown table(s) {', '.join(unknown)} (known: {', '.join(tables)})")
+    return data
+
+
+def load_config_file(path: str | Path) -> tuple[ServerConfig, EngineConfig]:
+    """Read a TOML preset with optional `[server]` and `[engine]` tables and `[[server.models]]` entries."""
+    data = read_toml(path, ("server", "engine"))
     return (_build(ServerConfig, data.get("server", {}), f"{path} [server]"),
             _build(EngineConfig, data.get("engine", {}), f"{path} [engine]"))

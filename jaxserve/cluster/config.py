@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxserve.config import ConfigError, EngineConfig, ServerConfig, _build
+from jaxserve.config import ConfigError, EngineConfig, ServerConfig, _build, read_toml
 
 ROUTERS = ("prefix", "least_loaded", "random")
 
@@ -130,18 +130,7 @@ class ClusterConfig:
 
 
 def load_cluster_config(path: str | Path) -> ClusterConfig:
-    import tomllib
-
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: invalid TOML ({e})") from None
-    unknown = sorted(set(data) - {"cluster", "server", "engine", "models"})
-    if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {', '.join(unknown)} (known: cluster, server, engine, models)")
+    data = read_toml(path, ("cluster", "server", "engine", "models"))
     server = data.get("server", {})
     if "models" in server:
         raise ConfigError(f"{path}: a cluster lists its models as [[models]], not [[server.models]]")
