@@ -132,6 +132,8 @@ def serve_configs(args):
         over["models"] = specs
     if args.api_key:
         over["api_keys"] = tuple(args.api_key)
+    if args.log_requests:
+        over["log_requests"] = True
     server = dataclasses.replace(server, **over)
     eng = {k: v for k, v in (("max_num_seqs", args.max_num_seqs), ("max_model_len", args.max_model_len),
                              ("kv_cache_memory_gib", args.kv_cache_memory),
@@ -178,8 +180,7 @@ def _cmd_serve(args) -> int:
         jax.profiler.start_server(args.profiler_port)
         logging.getLogger("jaxserve").info("jax profiler server on port %d (XProf / TensorBoard: capture profile)",
                                            args.profiler_port)
-    serve(server, engine, tracer=tracer)
-    return 0
+    return serve(server, engine, tracer=tracer)
 
 
 def _cmd_cluster(args) -> int:
@@ -276,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse the KV pages of prompt prefixes computed before (default: on)")
     s.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: one JSON object per line, each with its request_id")
+    s.add_argument("--log-requests", action="store_true",
+                   help="log every prompt and completion text (for debugging: they are user data; off by default)")
     s.add_argument("--otlp-traces-endpoint", metavar="URL",
                    help="export one OpenTelemetry span per request over OTLP/HTTP (needs opentelemetry-sdk)")
     s.add_argument("--profiler-port", type=int, metavar="PORT",

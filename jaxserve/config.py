@@ -368,11 +368,19 @@ class ServerConfig:
     admin_api_keys: tuple[str, ...] = ()  # may also call POST /debug/profile (off while empty)
     profile_dir: str = "profiles"  # where /debug/profile writes its traces
     max_body_bytes: int = 4 * 2**20
+    max_header_bytes: int = 64 * 2**10  # all request headers together (431 past it)
     max_n: int = 8
     max_tokens_limit: int | None = None  # the most max_tokens a request may ask for (and the default cap)
     # Prefix cache isolation: each API key's requests are salted with the key, so tenants never
     # share cached KV pages (a shared page's timing would tell one tenant what another sent).
     cache_salt_per_key: bool = False
+    # SIGTERM / SIGINT: refuse new requests (503) and let those in flight finish for this long,
+    # then end what is left with an error event and exit 0 (a second signal exits at once).
+    drain_timeout_s: float = 30.0
+    # An engine thread that has spent this long in one step with work waiting is stuck: the
+    # process ends every stream with an error and exits non-zero, for its supervisor to restart.
+    watchdog_timeout_s: float = 120.0
+    log_requests: bool = False  # log prompt and completion text (debugging only: they are user data)
     models: tuple[ModelSpec, ...] = ()
     admission: AdmissionConfig = AdmissionConfig()
 
@@ -387,10 +395,16 @@ class ServerConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_header_bytes < 1024:
+            raise ConfigError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ConfigError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         if self.max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
+        if not self.drain_timeout_s >= 0:
+            raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not self.watchdog_timeout_s > 0:
+            raise ConfigError(f"watchdog_timeout_s must be > 0, got {self.watchdog_timeout_s}")
         if any(not k for k in (*self.api_keys, *self.admin_api_keys)):
             raise ConfigError("api_keys and admin_api_keys must not contain an empty key")
         names = [m.served_name for m in self.models]

@@ -304,7 +304,7 @@ BAD = [
      {"messages": QUESTION, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     ("presence-penalty-range", "/v1/chat/completions", {"messages": QUESTION, "presence_penalty": 3}, 400,
      "presence_penalty"),
-    ("too-long-for-context", "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 600}, 400, "messages"),
+    ("too-long-for-context", "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 500}, 400, "messages"),
     ("priority-string", "/v1/chat/completions", {"messages": QUESTION, "priority": "high"}, 400, "priority"),
     ("timeout-negative", "/v1/chat/completions", {"messages": QUESTION, "timeout": -1}, 400, "timeout"),
     # Python's JSON reader (and json.dumps here) takes NaN and Infinity; they must not slip through

@@ -76,13 +76,9 @@ class ModelReplica:
         return self.digest
 
     async def check_health(self) -> None:
-        runner = self.served.runner
-        if runner.dead:
-            raise RuntimeError(f"the engine loop has died: {runner.dead}")
-        stalled = runner.stalled_for()
-        if stalled > self.model.stall_timeout_s:
-            raise RuntimeError(f"the engine loop has made no progress for {stalled:.0f} s "
-                               f"(stall_timeout_s = {self.model.stall_timeout_s})")
+        why = self.served.runner.failure(self.model.stall_timeout_s)
+        if why is not None:  # Serve replaces this replica
+            raise RuntimeError(f"{why} (stall_timeout_s = {self.model.stall_timeout_s})")
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         e = self.served.engine

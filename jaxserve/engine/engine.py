@@ -46,6 +46,7 @@ import jax
 from jaxserve.checkpoint.load import load_model
 from jaxserve.checkpoint.quantize import quantize_at_load
 from jaxserve.config import EngineConfig
+from jaxserve.engine import faults
 from jaxserve.engine.pages import PagePool, kv_bytes_per_page, pages_for_budget
 from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.limits import RequestLimits
@@ -269,6 +270,7 @@ class Engine:
             if k > 1:  # pages for the whole call where the pool has them; the rest is not valid
                 for it in batch.items:
                     self.pool.grow(it.seq.pages, min(it.seq.num_tokens + k - 1, self.config.max_model_len))
+            faults.check_step(it.seq.request_id for it in batch.items)
             launched = self.runner.launch(batch.items, batch.decode, k)
         except Exception as e:  # a failed device step ends the requests in it, and only them
             return self._fail(batch.items, batch.swap_in, e)
@@ -356,6 +358,7 @@ class Engine:
             reason = "stop"
             text = seq.detokenizer.flush()  # the stop token itself is not shown
         else:
+            faults.check_detokenize(seq.request_id)
             text = seq.detokenizer.add([token])
             if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
                 reason = "length"
@@ -496,19 +499,59 @@ class AsyncEngine:
         since = self._busy_since
         return 0.0 if since is None else max(0.0, (time.monotonic() if now is None else now) - since)
 
+    @property
+    def busy(self) -> bool:
+        """Some request is still open (submitted and its consumer not yet given its last event)."""
+        return bool(self._queues)
+
+    def failure(self, stall_limit: float) -> str | None:
+        """Why this engine can no longer serve (its thread died or a step raised, or it has been
+        stuck in one iteration for over `stall_limit` seconds), else None."""
+        if self.dead:
+            return self.dead
+        if not self._thread.is_alive() and not self._stop:
+            return "the engine thread is gone"
+        stalled = self.stalled_for()
+        if stalled > stall_limit:
+            return f"the engine thread has made no progress for {stalled:.0f} s with work waiting"
+        return None
+
+    def end_all(self, reason: str, finish_reason: str = "error") -> int:
+        """End every open request now, from any thread: each consumer gets a finishing event
+        carrying `reason` (its stream ends with an error event), and the engine is asked to
+        abort it (a stuck or dead engine never will, which is why the event does not wait for
+        it). Returns how many requests were open."""
+        open_ids = list(self._queues)
+        for rid in open_ids:
+            self._deliver(rid, TokenEvent(request_id=rid, token_ids=[], text="", finished=True,
+                                          finish_reason=finish_reason, error=reason))
+            self.abort(rid)
+        return len(open_ids)
+
     def shutdown(self) -> None:
         with self._cv:
             self._stop = True
             self._cv.notify()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=1 if self.dead else 30)
 
     def _deliver(self, request_id: str, item) -> None:
         target = self._queues.get(request_id)
         if target is not None:
             loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop has closed: nobody is listening any more
+                pass
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - the thread is ending: say why, to everyone
+            self.dead = f"the engine thread died: {type(e).__name__}: {e}"
+            log.critical("%s", self.dead, exc_info=not isinstance(e, faults.EngineThreadKilled))
+            self.end_all(self.dead)
+
+    def _serve(self) -> None:
         eng = self.engine
         while True:
             with self._cv:
@@ -528,6 +571,7 @@ class AsyncEngine:
                         log.exception("a call on the engine thread raised")
                 elif item[0] == "add":
                     _, rid, prompt, params, priority, timeout, arrival, salt = item
+                    faults.on_arrival(rid)
                     try:
                         eng.add_request(prompt, params, request_id=rid, priority=priority, timeout=timeout,
                                         arrival=arrival, cache_salt=salt)
@@ -539,10 +583,11 @@ class AsyncEngine:
                         self._deliver(item[1], ev)
             try:
                 events = eng.step()
-            except Exception as e:  # step() catches per request; this is a bug, keep serving
+            except Exception as e:  # step() catches per request, so this is a bug: stop serving
                 log.exception("engine step raised")
-                events = []
-                self.dead = f"{type(e).__name__}: {e}"
+                self.dead = f"the engine step raised {type(e).__name__}: {e}"
+                self.end_all(self.dead)
+                return
             for ev in events:
                 self._deliver(ev.request_id, ev)
             time.sleep(0)

@@ -24,6 +24,7 @@ import importlib.metadata
 import json
 import logging
 import math
+import os
 import time
 import uuid
 from pathlib import Path
@@ -33,6 +34,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -42,6 +44,8 @@ from jaxserve.engine.sequence import InvalidRequest, SamplingParams, TokenEvent
 from jaxserve.metrics import CONTENT_TYPE, Metrics
 from jaxserve.serving import protocol as P
 from jaxserve.serving.admission import Admission, Ticket
+from jaxserve.serving.lifecycle import Lifecycle
+from jaxserve.serving.openapi import openapi_document
 from jaxserve.serving.protocol import APIError
 from jaxserve.serving.registry import ModelRegistry, Runner, ServedModel
 from jaxserve.serving.tracing import REQUEST_ID, RequestSpan, request_id_from
@@ -126,12 +130,32 @@ def _error_of(item: TokenEvent | Exception) -> APIError | None:
         return P.bad(str(item))
     if isinstance(item, Exception):
         return APIError(500, f"{type(item).__name__}: {item}")
+    if item.error and item.finish_reason == "abort":  # the server ended it: shutting down
+        return APIError(503, item.error, code="server_shutting_down")
     if item.error or item.finish_reason == "error":
         return APIError(500, item.error or "the engine failed this request")
     return None
 
 
 # Preparing a request -------------------------------------------------------------------
+
+class HeaderLimit:
+    """ASGI middleware: 431 for a request whose headers add up to more than `limit` bytes
+    (uvicorn's HTTP parser takes megabytes of them)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) for k, v in scope["headers"])
+            if size > self.limit:
+                err = APIError(431, f"the request headers have {size} bytes; the limit is {self.limit}",
+                               code="request_header_fields_too_large")
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
 
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
@@ -174,6 +198,9 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
                 raise P.bad(f"this model's maximum context length is {limit} tokens and the prompt has "
                             f"{len(ids)} tokens, which leaves no room to generate", param=param,
                             code="context_length_exceeded")
+        if max_tokens >= limit:  # no prompt at all would leave room for it
+            raise P.bad(f"max_tokens is {max_tokens}; this model's maximum context length is {limit} tokens, "
+                        "prompt included", param="max_tokens", code="context_length_exceeded")
         try:
             limits.check_request(ids, max_tokens)
             params = [req.sampling_params(max_tokens, j) for j in range(req.n)]
@@ -195,9 +222,13 @@ class Responder:
     """Writes one request's response, chat or completion, streamed or whole."""
 
     def __init__(self, served: ServedModel, req: P.GenerationRequest, rid: str, prompt_lens: list[int],
-                 admission: Admission | None = None, ticket: Ticket | None = None, span: RequestSpan | None = None):
+                 admission: Admission | None = None, ticket: Ticket | None = None, span: RequestSpan | None = None,
+                 open_set: set | None = None, log_text: bool = False):
         self.served, self.req, self.rid = served, req, rid
         self.admission, self.ticket = admission, ticket
+        self.open_set = open_set if open_set is not None else set()  # the requests being answered
+        self.open_set.add(self)
+        self.texts: dict[int, str] | None = {} if log_text else None  # each choice's text, to log it
         self.span = span or RequestSpan(None, "", None, {})
         self.generated = 0  # tokens generated so far, all choices (for the key's token quota)
         self.finish_reasons: dict[int, str] = {}
@@ -216,6 +247,8 @@ class Responder:
         """run_choices, telling admission and the span when the first token arrives."""
         async for index, item in run_choices(self.served.runner, choices, self.engine_rid):
             if isinstance(item, TokenEvent):
+                if self.texts is not None:
+                    self.texts[index] = self.texts.get(index, "") + item.text
                 if item.token_ids and not self.generated:
                     self.span.event("first_token")
                     if self.ticket is not None:
@@ -243,9 +276,14 @@ class Responder:
         log it, end its span."""
         if self.ticket is not None:
             self.admission.release(self.ticket, self.generated)  # idempotent
+        if self not in self.open_set:
+            return
+        self.open_set.discard(self)
         reasons = [self.finish_reasons.get(i, "abort") for i in range(self.num_choices)]
         log.info("finished: %s, %d prompt + %d generated tokens in %.3f s", ",".join(sorted(set(reasons))),
                  self.prompt_tokens, self.generated, time.monotonic() - self.started)
+        if self.texts is not None:
+            log.info("completion text (--log-requests): %s", json.dumps(self.texts, ensure_ascii=False))
         self.span.set({"gen_ai.usage.input_tokens": self.prompt_tokens, "gen_ai.usage.output_tokens": self.generated,
                        "gen_ai.response.finish_reasons": reasons})
         self.span.event("finished")
@@ -273,6 +311,17 @@ class Responder:
         return P.completion_choice(index, text, finish, logprobs)
 
     async def stream(self, choices: list[Choice]) -> AsyncIterator[dict]:
+        """The SSE events; a failure while writing them ends this stream alone, with an error event."""
+        try:
+            async for event in self._stream(choices):
+                yield event
+        except Exception as e:  # noqa: BLE001 - this request fails, the server keeps serving
+            log.exception("request %s: the stream failed", self.rid)
+            self.error = f"{type(e).__name__}: {e}"
+            yield self._sse(APIError(500, f"internal error: {self.error}").body())
+            yield {"data": "[DONE]"}
+
+    async def _stream(self, choices: list[Choice]) -> AsyncIterator[dict]:
         completion_tokens = 0
         offsets = {c.index: 0 for c in choices}
         if self.req.chat:
@@ -282,6 +331,8 @@ class Responder:
             err = _error_of(item)
             if err is not None:
                 yield self._sse(err.body())
+                if isinstance(item, TokenEvent) and item.finished:  # the choice's end, and why
+                    yield self._sse(self._chunk([self._piece(index, "", item.finish_reason, None)]))
                 continue
             ev: TokenEvent = item
             completion_tokens += len(ev.token_ids)
@@ -407,6 +458,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
     admin_keys = [k.encode() for k in cfg.admin_api_keys]
     profiling = asyncio.Lock()
     admission = Admission(cfg.admission)
+    lifecycle = Lifecycle(registry, cfg.drain_timeout_s, cfg.watchdog_timeout_s, cfg.admission.retry_after_s)
     metrics = Metrics()
     registry.attach_metrics(metrics)
     metrics.state.rejections = lambda: dict(admission.rejections)
@@ -441,8 +493,11 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
 
     async def health(request: Request, rid: str):
         ok, status = registry.health()
-        return JSONResponse({"status": "ok" if ok else "unavailable", "models": status},
-                            status_code=200 if ok else 503)
+        state = ("ok" if ok else "unavailable") if lifecycle.accepting else lifecycle.state
+        body = {"status": state, "models": status}
+        if not lifecycle.accepting:
+            body["reason"] = lifecycle.reason
+        return JSONResponse(body, status_code=200 if ok and lifecycle.accepting else 503)
 
     async def version(request: Request, rid: str):
         return JSONResponse({"version": _version()})
@@ -464,6 +519,9 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
 
     async def generation(request: Request, rid: str, chat: bool):
         arrival = time.monotonic()  # deadlines and first-come order count from here
+        if not lifecycle.accepting:
+            raise lifecycle.refusal()
+        P.check_content_type(request.headers.get("content-type"))
         body = P.parse_json(await read_body(request, cfg.max_body_bytes))
         req = P.parse_generation(body, chat=chat, max_n=cfg.max_n)
         req = _with_header_timeout(req, request.headers.get("x-request-timeout"))
@@ -488,7 +546,11 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         span.event("queued")
         log.info("%s %s: %d choice(s), %d prompt tokens, priority %d", request.method, request.url.path,
                  len(choices), sum(prompt_lens), req.priority)
-        responder = Responder(served, req, rid, prompt_lens, admission, ticket, span)
+        if cfg.log_requests:
+            log.info("prompt (--log-requests): %s", json.dumps(req.messages if chat else req.prompts,
+                                                                ensure_ascii=False))
+        responder = Responder(served, req, rid, prompt_lens, admission, ticket, span, lifecycle.open,
+                              cfg.log_requests)
         if req.stream:  # the background task runs once the stream ends, the client gone or not
             return EventSourceResponse(responder.stream(choices), ping=15, background=BackgroundTask(responder.release))
         work = asyncio.ensure_future(responder.whole(choices))
@@ -535,6 +597,11 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         return HTMLResponse(dashboard_html, headers={"Content-Security-Policy": "default-src 'self'; "
                                                      "script-src 'unsafe-inline'; style-src 'unsafe-inline'"})
 
+    openapi = openapi_document(_version())
+
+    async def openapi_json(request: Request, rid: str):
+        return JSONResponse(openapi)
+
     async def chat_completions(request: Request, rid: str):
         return await generation(request, rid, chat=True)
 
@@ -550,6 +617,9 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
     async def lifespan(app):
         if load_on_startup:
             registry.start_loading()
+        lifecycle.start()
+        if cfg.log_requests:
+            log.warning("log_requests is on: prompts and completions are written to the log")
         try:
             yield
         finally:
@@ -558,6 +628,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
     routes = [
         Route("/health", api(health), methods=["GET"]),
         Route("/version", api(version), methods=["GET"]),
+        Route("/openapi.json", api(openapi_json), methods=["GET"]),
         Route("/stats", api(stats), methods=["GET"]),
         Route("/metrics", api(prometheus), methods=["GET"]),
         Route("/debug/profile", api(profile), methods=["POST"]),
@@ -567,18 +638,39 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         Route("/v1/chat/completions", api(chat_completions), methods=["POST"]),
         Route("/v1/completions", api(completions), methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan,
+                    middleware=[Middleware(HeaderLimit, limit=cfg.max_header_bytes)])
     app.state.registry = registry
     app.state.metrics = metrics
+    app.state.lifecycle = lifecycle
     return app
 
 
-def serve(cfg: ServerConfig, engine_config, *, log_level: str = "info", tracer=None) -> None:
-    """Start uvicorn on cfg.host:cfg.port; the models load in the background (see /health).
-    Logging is the caller's (tracing.configure_logging), so uvicorn's own config is off."""
+def serve(cfg: ServerConfig, engine_config, *, log_level: str = "info", tracer=None) -> int:
+    """Serve on cfg.host:cfg.port until a signal drains the server (returns 0) or the watchdog
+    finds an engine that cannot serve (exits 1). The models load in the background (see
+    /health). Logging is the caller's (tracing.configure_logging), so uvicorn's own is off."""
+    import signal
+
     import uvicorn
 
     registry = ModelRegistry(cfg.models, engine_config)
     app = build_app(registry, cfg, tracer=tracer)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level, log_config=None,
-                timeout_graceful_shutdown=5)
+    lifecycle: Lifecycle = app.state.lifecycle
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:  # SIGINT / SIGTERM: drain, not stop
+            lifecycle.signal(signal.Signals(sig).name)
+
+    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level, log_config=None,
+                                   timeout_graceful_shutdown=5))
+
+    def request_exit() -> None:
+        server.should_exit = True
+
+    lifecycle.request_exit = request_exit
+    server.run()
+    if lifecycle.exit_code:
+        logging.shutdown()
+        os._exit(lifecycle.exit_code)  # an engine thread may be stuck in a device call
+    return 0

@@ -18,12 +18,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 from typing import Any
 
 from jaxserve.engine.sequence import SamplingParams
 
 MAX_STOP_SEQUENCES = 16
+MAX_ID_DIGITS = 12  # a token id in a logit_bias key: longer strings are not ids (and int() of
+#                     thousands of digits is slow, then refused by Python's int limit)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -31,7 +34,8 @@ class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+             413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+             431: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None):
@@ -51,13 +55,36 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
     return APIError(400, message, param=param, code=code)
 
 
+def check_content_type(value: str | None) -> None:
+    """A body sent as anything but JSON is a client mistake worth naming (415); no header is fine."""
+    if value is None:
+        return
+    media = value.split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got {value[:80]!r}",
+                       code="unsupported_media_type")
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object. UTF-8 only, and no lone surrogate (JSON's \\ud800 escape
+    reads into a Python string that no tokenizer can encode)."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):  # rare: check the strings themselves only then
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad("the request body has a lone UTF-16 surrogate escape (\\ud800-\\udfff) in a string: "
+                      "not valid Unicode text", code="invalid_json") from None
     return body
 
 
@@ -128,7 +155,7 @@ def _logit_bias(body: dict) -> dict[int, float]:
                   code="invalid_value")
     out = {}
     for key, bias in value.items():
-        if not (key.isascii() and key.isdigit()):
+        if not (key.isascii() and key.isdigit() and len(key) <= MAX_ID_DIGITS):
             raise bad(f"invalid key in 'logit_bias': {key[:40]!r} is not a token id", param="logit_bias",
                       code="invalid_value")
         if bias is None:
@@ -203,6 +230,9 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(content, str):
             raise bad(f"'{where}.content' must be a string or a list of text parts", param=f"{where}.content",
                       code="invalid_type")
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise bad(f"'{where}' is a tool message without 'tool_call_id': tool messages answer a tool call, "
+                      "and this server makes none", param=f"{where}.tool_call_id", code="invalid_value")
         msg = {"role": role, "content": content}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
@@ -267,9 +297,9 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", param="stream_options", code="invalid_type")
     include_usage = bool(_field(opts or {}, "include_usage", bool, False))
-    max_tokens = _field(body, "max_tokens", int, lo=1)
+    max_tokens = _field(body, "max_tokens", int, lo=1, hi=2**31 - 1)
     if chat:
-        max_tokens = _field(body, "max_completion_tokens", int, max_tokens, lo=1)
+        max_tokens = _field(body, "max_completion_tokens", int, max_tokens, lo=1, hi=2**31 - 1)
     n = _field(body, "n", int, 1, lo=1, hi=max_n)
     top_max = SamplingParams.MAX_LOGPROBS
     if chat:
@@ -283,7 +313,7 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
     sampling = dict(
         temperature=_field(body, "temperature", float, 1.0, lo=0, hi=2),
         top_p=_field(body, "top_p", float, 1.0, lo=0, hi=1, lo_open=True),
-        top_k=_field(body, "top_k", int, 0, lo=-1),
+        top_k=_field(body, "top_k", int, 0, lo=-1, hi=2**31 - 1),
         min_p=_field(body, "min_p", float, 0.0, lo=0, hi=1),
         presence_penalty=_field(body, "presence_penalty", float, 0.0, lo=-2, hi=2),
         frequency_penalty=_field(body, "frequency_penalty", float, 0.0, lo=-2, hi=2),
@@ -295,7 +325,7 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
         skip_special_tokens=_field(body, "skip_special_tokens", bool, True),
     )
     _unsupported_features(body)
-    seed = _field(body, "seed", int, None)
+    seed = _field(body, "seed", int, None, lo=-(2**63), hi=2**64 - 1)
     user = body.get("user") if isinstance(body.get("user"), str) else None
     return GenerationRequest(chat=chat, model=model, messages=messages, prompts=prompts, stream=stream,
                              include_usage=include_usage, n=n, max_tokens=max_tokens, logprobs=logprobs,

@@ -81,7 +81,20 @@ def otlp_tracer(endpoint: str):
                            "opentelemetry-exporter-otlp-proto-http (pip install 'jaxserve[otel]')") from e
     provider = TracerProvider(resource=Resource.create({"service.name": "jaxserve"}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    _PROVIDERS.append(provider)
     return provider.get_tracer("jaxserve")
+
+
+_PROVIDERS: list = []  # every provider otlp_tracer made: flushed before the process exits
+
+
+def flush_spans(timeout_s: float = 5.0) -> None:
+    """Export the spans still batched (the batch processor sends every few seconds)."""
+    for provider in _PROVIDERS:
+        try:
+            provider.force_flush(int(timeout_s * 1000))
+        except Exception:  # noqa: BLE001 - exiting either way
+            logging.getLogger(__name__).exception("flushing spans failed")
 
 
 class RequestSpan:

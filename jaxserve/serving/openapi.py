@@ -1,0 +1,244 @@
+"""The OpenAPI 3.1 document served at /openapi.json: every route, its request and response schemas.
+
+Written by hand beside protocol.py, which is what actually validates: the ranges here are
+protocol.py's ranges, so a client generator (or a fuzzer, tests/test_reliability.py) sees the
+same contract the server enforces. Every error, whatever its status, has OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+from jaxserve.engine.sequence import SamplingParams
+from jaxserve.serving.protocol import CHAT_ROLES, MAX_ID_DIGITS, MAX_STOP_SEQUENCES
+
+INT32_MAX = 2**31 - 1
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _num(lo=None, hi=None, *, lo_open: bool = False, integer: bool = False, doc: str = "") -> dict:
+    out: dict = {"type": "integer" if integer else "number"}
+    if lo is not None:
+        out["exclusiveMinimum" if lo_open else "minimum"] = lo
+    if hi is not None:
+        out["maximum"] = hi
+    if doc:
+        out["description"] = doc
+    return out
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_SAMPLING = {
+    "model": {"type": "string", "description": "a served model's name; may be left out when the server serves one"},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "max_tokens": _num(1, INT32_MAX, integer=True, doc="default: up to the context length (or the server's cap)"),
+    "n": _num(1, integer=True, doc="choices per prompt; the server's max_n bounds it (400 past it)"),
+    "temperature": _num(0, 2, doc="0 is greedy"),
+    "top_p": _num(0, 1, lo_open=True),
+    "top_k": _num(-1, INT32_MAX, integer=True, doc="<= 0: off"),
+    "min_p": _num(0, 1),
+    "presence_penalty": _num(-2, 2),
+    "frequency_penalty": _num(-2, 2),
+    "repetition_penalty": _num(0, lo_open=True),
+    "ignore_eos": {"type": "boolean"},
+    "stop": {"anyOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "items": {"type": "string", "minLength": 1},
+                        "maxItems": MAX_STOP_SEQUENCES}]},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": MAX_STOP_SEQUENCES},
+    "logit_bias": {"type": "object", "maxProperties": SamplingParams.MAX_LOGIT_BIAS,
+                   "propertyNames": {"pattern": f"^[0-9]{{1,{MAX_ID_DIGITS}}}$"},
+                   "additionalProperties": _num(-100, 100),
+                   "description": "token id (as a string) -> bias added to its logit"},
+    "skip_special_tokens": {"type": "boolean"},
+    "response_format": {"type": "object", "properties": {"type": {"enum": ["text"]}}, "required": ["type"],
+                        "description": "only text: JSON and schema-guided output are refused with 400"},
+    "seed": _num(-(2**63), 2**64 - 1, integer=True),
+    "user": {"type": "string"},
+    "priority": {"anyOf": [_num(-(2**31), INT32_MAX, integer=True),
+                           {"type": "string", "minLength": 1, "maxLength": 64}],
+                 "description": "lower is more urgent; or a priority class name"},
+    "timeout": _num(0, lo_open=True, doc="seconds from arrival; then the request ends with finish_reason timeout"),
+    "cache_salt": {"type": "string", "minLength": 1, "description": "requests with different salts share no KV page"},
+}
+
+_MESSAGE = {
+    "type": "object",
+    "properties": {
+        "role": {"enum": list(CHAT_ROLES)},
+        "content": {"anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "object", "properties": {"type": {"enum": ["text"]},
+                                                                        "text": {"type": "string"}},
+                                        "required": ["type", "text"]}},
+            {"type": "null", "description": "assistant messages only"}]},
+        "name": {"type": "string"},
+        "tool_call_id": {"type": "string", "description": "required on tool messages"},
+    },
+    "required": ["role", "content"],
+}
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+_CHAT_REQUEST = {
+    "type": "object",
+    "properties": {
+        "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
+        "max_completion_tokens": _SAMPLING["max_tokens"],
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": _num(0, SamplingParams.MAX_LOGPROBS, integer=True, doc="needs logprobs: true"),
+        **_SAMPLING,
+    },
+    "required": ["messages"],
+}
+
+_COMPLETION_REQUEST = {
+    "type": "object",
+    "properties": {
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                             _TOKEN_IDS,
+                             {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]},
+        "logprobs": _num(0, SamplingParams.MAX_LOGPROBS, integer=True),
+        **_SAMPLING,
+    },
+    "required": ["prompt"],
+}
+
+_FINISH = _nullable({"enum": ["stop", "length", "abort", "timeout", "error"]})
+
+_USAGE = {
+    "type": "object",
+    "properties": {"prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+                   "total_tokens": {"type": "integer"},
+                   "prompt_tokens_details": {"type": "object",
+                                             "properties": {"cached_tokens": {"type": "integer"}}}},
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+}
+
+_CHAT_RESPONSE = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "usage": _USAGE,
+        "choices": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"index": {"type": "integer"}, "finish_reason": _FINISH,
+                           "logprobs": _nullable({"type": "object"}),
+                           "message": {"type": "object", "properties": {"role": {"const": "assistant"},
+                                                                        "content": {"type": "string"}},
+                                       "required": ["role", "content"]}},
+            "required": ["index", "message", "finish_reason"]}},
+    },
+    "required": ["id", "object", "created", "model", "choices", "usage"],
+}
+
+_COMPLETION_RESPONSE = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "usage": _USAGE,
+        "choices": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
+                           "logprobs": _nullable({"type": "object"})},
+            "required": ["index", "text", "finish_reason"]}},
+    },
+    "required": ["id", "object", "created", "model", "choices", "usage"],
+}
+
+_ERROR = {
+    "type": "object",
+    "properties": {"error": {
+        "type": "object",
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": _nullable({"type": "string"}), "code": _nullable({"type": "string"})},
+        "required": ["message", "type", "param", "code"]}},
+    "required": ["error"],
+}
+
+_MODEL = {
+    "type": "object",
+    "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                   "owned_by": {"type": "string"}, "max_model_len": _nullable({"type": "integer"})},
+    "required": ["id", "object", "created", "owned_by"],
+}
+
+_HEALTH = {
+    "type": "object",
+    "properties": {"status": {"enum": ["ok", "unavailable", "draining", "failed"]}, "models": {"type": "object"},
+                   "reason": _nullable({"type": "string"})},
+    "required": ["status", "models"],
+}
+
+
+def _errors(*statuses: int) -> dict:
+    words = {400: "invalid request", 401: "no valid API key", 403: "not an admin key", 404: "not found",
+             409: "conflict", 413: "body too large", 415: "not JSON", 429: "rate limit or quota (Retry-After)",
+             431: "headers too large",
+             503: "overloaded, loading, draining or failed (Retry-After)", 504: "deadline passed"}
+    return {str(s): {"description": words[s], "content": {"application/json": {"schema": _ref("Error")}}}
+            for s in statuses}
+
+
+def _generation(summary: str, request: str, response: str) -> dict:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {
+            "200": {"description": "the whole answer, or (stream: true) server-sent events of chunks, then [DONE]",
+                    "content": {"application/json": {"schema": _ref(response)},
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            **_errors(400, 401, 404, 413, 415, 431, 429, 503, 504)}}}
+
+
+def _get(summary: str, content: dict, *errors: int) -> dict:
+    return {"get": {"summary": summary, "responses": {"200": {"description": "OK", "content": content},
+                                                      **_errors(*errors)}}}
+
+
+def _json(schema: dict) -> dict:
+    return {"application/json": {"schema": schema}}
+
+
+def openapi_document(version: str) -> dict:
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "jaxserve", "version": version,
+                 "description": "OpenAI-compatible LLM inference server (JAX/XLA)"},
+        "paths": {
+            "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
+            "/v1/completions": _generation("Text completion", "CompletionRequest", "Completion"),
+            "/v1/models": _get("The served models", _json({"type": "object", "properties": {
+                "object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},
+                "required": ["object", "data"]}), 401),
+            "/v1/models/{name}": {"get": {
+                "summary": "One served model",
+                "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "OK", "content": _json(_ref("Model"))}, **_errors(401, 404)}}},
+            "/health": {"get": {"summary": "200 when every model serves; 503 while loading, draining or failed",
+                                "responses": {"200": {"description": "OK", "content": _json(_ref("Health"))},
+                                              "503": {"description": "not serving",
+                                                      "content": _json(_ref("Health"))}}}},
+            "/version": _get("The server's version", _json({"type": "object", "properties": {
+                "version": {"type": "string"}}, "required": ["version"]})),
+            "/stats": _get("Engine and admission state, per model", _json({"type": "object"}), 401),
+            "/metrics": _get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}),
+            "/dashboard": _get("A live dashboard over /metrics", {"text/html": {"schema": {"type": "string"}}}),
+            "/openapi.json": _get("This document", _json({"type": "object"})),
+            "/debug/profile": {"post": {
+                "summary": "Capture an XLA profile of live traffic (admin API keys only)",
+                "parameters": [{"name": "seconds", "in": "query", "schema": _num(0, 600, lo_open=True)}],
+                "responses": {"200": {"description": "where the trace went", "content": _json({"type": "object"})},
+                              **_errors(400, 401, 403, 404, 409)}}},
+        },
+        "components": {"schemas": {
+            "ChatCompletionRequest": _CHAT_REQUEST, "CompletionRequest": _COMPLETION_REQUEST,
+            "ChatMessage": _MESSAGE, "ChatCompletion": _CHAT_RESPONSE, "Completion": _COMPLETION_RESPONSE,
+            "Model": _MODEL, "Health": _HEALTH, "Error": _ERROR,
+        }},
+    }
