@@ -22,7 +22,7 @@ class ServerProcess:
     """Starts the server, waits for /health to say 200, and records what /health said on the way."""
 
     def __init__(self, model_dir: Path, workdir: Path, config: str, extra_args: tuple[str, ...] = (),
-                 startup_timeout: float = 600.0):
+                 startup_timeout: float = 600.0, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = workdir / "server.toml"
@@ -31,7 +31,7 @@ class ServerProcess:
         self._log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "jaxserve", "serve", "--model", str(model_dir), "--port", str(self.port),
                "--config", str(cfg), *extra_args]
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.health_seen: list[int] = []
         try:
@@ -62,6 +62,13 @@ class ServerProcess:
     def stats(self, headers: dict | None = None) -> dict:
         models = httpx.get(f"{self.url}/stats", headers=headers or {}, timeout=5).json()["models"]
         return next(iter(models.values()))
+
+    def rss_mib(self) -> float:
+        """The server process's resident memory, from /proc."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS in /proc status")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -35,7 +35,7 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
@@ -163,11 +163,16 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise APIError(413, f"the request body has {declared} bytes; the limit is {limit}",
                        code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body exceeds the limit of {limit} bytes",
+                               code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody will read the answer; no traceback in the log for it
+        raise APIError(400, "the client disconnected before sending the whole body",
+                       code="client_disconnected") from None
     return b"".join(chunks)
 
 
