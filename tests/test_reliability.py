@@ -555,3 +555,31 @@ def test_a_stalled_engine_thread_trips_the_watchdog(tiny_model_dir, tmp_path, xl
         assert time.monotonic() - t0 < 2 + 15
     finally:
         srv.stop()
+
+
+def test_a_second_signal_exits_at_once(tiny_model_dir, tmp_path, xla_cache):
+    """A request that can never finish (its engine thread is stuck, the watchdog far off) holds
+    the drain; the second SIGTERM ends the process anyway."""
+    srv = ServerProcess(tiny_model_dir, tmp_path, config(xla_cache, drain=60), env={"JAXSERVE_FAULTS": FAULTS})
+    try:
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as c:
+                hanging = asyncio.create_task(c.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 4},
+                                                     headers={"X-Request-Id": "fault-stall-2"}))
+                await asyncio.sleep(0.5)  # it reaches the engine thread, which stops there
+                assert not hanging.done()
+                srv.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                health = await c.get(f"{srv.url}/health")
+                assert health.status_code == 503 and health.json()["status"] == "draining"
+                t0 = time.monotonic()
+                srv.proc.send_signal(signal.SIGTERM)
+                code = await asyncio.to_thread(srv.proc.wait, 30)
+                hanging.cancel()
+                return code, time.monotonic() - t0
+
+        code, took = asyncio.run(run())
+        assert code == 1 and took < 5
+        assert "SIGTERM again: exiting now" in srv.log_path.read_text()
+    finally:
+        srv.stop()
