@@ -40,6 +40,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: plus the n most likely
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
+    speculative: bool = True  # may this request's tokens be proposed and verified (when the engine speculates)
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows; the sampler has this many slots per row

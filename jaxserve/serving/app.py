@@ -602,10 +602,9 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         return HTMLResponse(dashboard_html, headers={"Content-Security-Policy": "default-src 'self'; "
                                                      "script-src 'unsafe-inline'; style-src 'unsafe-inline'"})
 
-    openapi = openapi_document(_version())
-
     async def openapi_json(request: Request, rid: str):
-        return JSONResponse(openapi)
+        return JSONResponse(openapi_document(_version(), registry.names, cfg.max_n, cfg.max_tokens_limit,
+                                             cfg.admission.priority_classes))
 
     async def chat_completions(request: Request, rid: str):
         return await generation(request, rid, chat=True)

@@ -55,6 +55,7 @@ _SAMPLING = {
                    "additionalProperties": _num(-100, 100),
                    "description": "token id (as a string) -> bias added to its logit"},
     "skip_special_tokens": {"type": "boolean"},
+    "speculative": {"type": "boolean", "description": "false: never speculate for this request"},
     "response_format": {"type": "object", "properties": {"type": {"enum": ["text"]}}, "required": ["type"],
                         "description": "only text: JSON and schema-guided output are refused with 400"},
     "seed": _num(-(2**63), 2**64 - 1, integer=True),
@@ -75,11 +76,12 @@ _MESSAGE = {
             {"type": "array", "items": {"type": "object", "properties": {"type": {"enum": ["text"]},
                                                                         "text": {"type": "string"}},
                                         "required": ["type", "text"]}},
-            {"type": "null", "description": "assistant messages only"}]},
+            {"type": "null", "description": "no text (an assistant message that called a tool)"}]},
         "name": {"type": "string"},
         "tool_call_id": {"type": "string", "description": "required on tool messages"},
     },
     "required": ["role", "content"],
+    "if": {"properties": {"role": {"const": "tool"}}}, "then": {"required": ["role", "content", "tool_call_id"]},
 }
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
@@ -205,7 +207,30 @@ def _json(schema: dict) -> dict:
     return {"application/json": {"schema": schema}}
 
 
-def openapi_document(version: str) -> dict:
+def _served(models, max_n, max_tokens, priority_classes) -> dict:
+    """The request fields whose bounds are this server's: its model names, max_n, its cap on
+    max_tokens, its priority class names."""
+    out = {}
+    if models:
+        out["model"] = {**_SAMPLING["model"], "enum": list(models)}
+    if max_n:
+        out["n"] = {**_SAMPLING["n"], "maximum": max_n}
+    if max_tokens:
+        out["max_tokens"] = out["max_completion_tokens"] = {**_SAMPLING["max_tokens"], "maximum": max_tokens}
+    if priority_classes:
+        out["priority"] = {**_SAMPLING["priority"],
+                           "anyOf": [_SAMPLING["priority"]["anyOf"][0], {"enum": sorted(priority_classes)}]}
+    return out
+
+
+def openapi_document(version: str, models: list[str] | None = None, max_n: int | None = None,
+                     max_tokens: int | None = None, priority_classes=None) -> dict:
+    """The document, with this server's bounds (`_served`) where it gives them."""
+    served = _served(models, max_n, max_tokens, priority_classes)
+    requests = {}
+    for name, schema in (("ChatCompletionRequest", _CHAT_REQUEST), ("CompletionRequest", _COMPLETION_REQUEST)):
+        fields = {k: v for k, v in served.items() if k in schema["properties"]}
+        requests[name] = {**schema, "properties": {**schema["properties"], **fields}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "jaxserve", "version": version,
@@ -237,8 +262,7 @@ def openapi_document(version: str) -> dict:
                               **_errors(400, 401, 403, 404, 409)}}},
         },
         "components": {"schemas": {
-            "ChatCompletionRequest": _CHAT_REQUEST, "CompletionRequest": _COMPLETION_REQUEST,
-            "ChatMessage": _MESSAGE, "ChatCompletion": _CHAT_RESPONSE, "Completion": _COMPLETION_RESPONSE,
+            **requests, "ChatMessage": _MESSAGE, "ChatCompletion": _CHAT_RESPONSE, "Completion": _COMPLETION_RESPONSE,
             "Model": _MODEL, "Health": _HEALTH, "Error": _ERROR,
         }},
     }

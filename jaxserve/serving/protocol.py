@@ -93,12 +93,23 @@ def parse_json(raw: bytes) -> dict:
 _JSON_TYPE = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
 
 
+def _integral(x: Any) -> bool:
+    """An integer in JSON's sense: 3, or 3.0 (JSON Schema's "integer" takes both); not a boolean."""
+    return (isinstance(x, int) and not isinstance(x, bool)) or (isinstance(x, float) and x.is_integer())
+
+
+def _ints(values: list) -> list[int]:
+    return [int(x) for x in values]
+
+
 def _field(body: dict, name: str, kind: type, default: Any = None, *, lo=None, hi=None,
            lo_open: bool = False) -> Any:
     """body[name] checked to be of `kind` (JSON null means absent) and inside [lo, hi] / (lo, hi]."""
     value = body.get(name)
     if value is None:
         return default
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
     ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
     if kind is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -132,13 +143,12 @@ def _token_ids(body: dict, name: str) -> tuple[int, ...]:
     value = body.get(name)
     if value is None:
         return ()
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                              for t in value):
+    if not isinstance(value, list) or not all(_integral(t) and t >= 0 for t in value):
         raise bad(f"'{name}' must be a list of token ids (integers >= 0)", param=name, code="invalid_type")
     if len(value) > MAX_STOP_SEQUENCES:
         raise bad(f"'{name}' takes at most {MAX_STOP_SEQUENCES} ids, got {len(value)}", param=name,
                   code="invalid_value")
-    return tuple(value)
+    return tuple(_ints(value))
 
 
 def _logit_bias(body: dict) -> dict[int, float]:
@@ -194,9 +204,9 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 
 def _int_list(value, name: str) -> list[int]:
-    if not value or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if not value or not all(_integral(t) for t in value):
         raise bad(f"'{name}' token lists must be non-empty lists of integers", param=name, code="invalid_type")
-    return list(value)
+    return _ints(value)
 
 
 def _messages(body: dict) -> list[dict]:
@@ -216,8 +226,11 @@ def _messages(body: dict) -> list[dict]:
         if role not in CHAT_ROLES:
             raise bad(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}",
                       param=f"{where}.role", code="invalid_value")
-        content = m.get("content")
-        if content is None and role == "assistant":
+        if "content" not in m:
+            raise bad(f"'{where}.content' is required (null for no text)", param=f"{where}.content",
+                      code="missing_required_parameter")
+        content = m["content"]
+        if content is None:  # OpenAI's assistant messages that called a tool: no text
             content = ""
         if isinstance(content, list):
             parts = []
@@ -250,8 +263,8 @@ def _prompts(body: dict) -> list[str | list[int]]:
     if isinstance(p, list) and p:
         if all(isinstance(x, str) for x in p):
             return list(p)
-        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-            return [list(p)]
+        if all(_integral(x) for x in p):
+            return [_ints(p)]
         if all(isinstance(x, list) for x in p):
             return [_int_list(x, "prompt") for x in p]
     raise bad("'prompt' must be a string, a list of strings, a list of token ids or a list of token id lists, "
@@ -323,6 +336,7 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
         logit_bias=_logit_bias(body),
         stop_token_ids=_token_ids(body, "stop_token_ids"),
         skip_special_tokens=_field(body, "skip_special_tokens", bool, True),
+        speculative=_field(body, "speculative", bool, True),
     )
     _unsupported_features(body)
     seed = _field(body, "seed", int, None, lo=-(2**63), hi=2**64 - 1)
