@@ -52,7 +52,9 @@ def _cmd_generate_batch(args) -> int:
     from jaxserve.engine.sequence import InvalidRequest, SamplingParams
 
     entries = _read_prompts(args.prompts_file)
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching)
+    spec = _speculative_options(args)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
+              speculative=spec)
     tok = llm.tokenizer
     prompts, params = [], []
     try:
@@ -141,6 +143,9 @@ def serve_configs(args):
                              ("quantization", args.quantization), ("decode_steps", args.decode_steps),
                              ("overlap", args.overlap), ("enable_prefix_caching", args.enable_prefix_caching))
            if v is not None}
+    spec = _speculative_options(args)
+    if spec:
+        eng["speculative"] = dataclasses.replace(engine.speculative, **spec)
     if eng.get("quantization") == "none":  # over a preset that quantizes
         eng["quantization"] = None
     if "max_num_seqs" in eng and "decode_batch_buckets" not in eng:
@@ -227,6 +232,22 @@ def _cmd_bench(args) -> int:
     return main(args)
 
 
+def _speculative_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-method", choices=("ngram",),
+                   help="speculative decoding: ngram proposes tokens by prompt lookup (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="tokens proposed per step (default 4)")
+    p.add_argument("--speculative-disable-above-batch-size", type=int, metavar="N",
+                   help="decode plainly when more sequences than this run (default 4)")
+
+
+def _speculative_options(args) -> dict:
+    """[engine.speculative] keys given on the command line."""
+    return {k: v for k, v in (("method", args.speculative_method),
+                              ("num_speculative_tokens", args.num_speculative_tokens),
+                              ("disable_above_batch_size", args.speculative_disable_above_batch_size))
+            if v is not None}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM inference server")
     sub = p.add_subparsers(dest="command", required=True)
@@ -247,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="--prompts-file: reuse the KV pages of shared prompt prefixes (default: on)")
+    _speculative_arguments(g)
     g.add_argument("--model", required=True, help="converted model directory")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -275,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="launch the next decode call before reading the last one (default: on)")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV pages of prompt prefixes computed before (default: on)")
+    _speculative_arguments(s)
     s.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: one JSON object per line, each with its request_id")
     s.add_argument("--log-requests", action="store_true",

@@ -169,6 +169,38 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative.py), off while `method` is None.
+
+    "ngram" proposes, for each running sequence, the `num_speculative_tokens` tokens that
+    followed the latest earlier occurrence of its last n tokens (n from ngram_max down to
+    ngram_min) in its own prompt and output; one verify step scores them all and keeps the
+    prefix the target model agrees with. Above `disable_above_batch_size` running sequences
+    a step is compute-bound and verification costs more than it saves: plain decode runs.
+    """
+
+    method: str | None = None  # None | "ngram"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    disable_above_batch_size: int = 4
+
+    def __post_init__(self):
+        if self.method not in (None, "ngram"):
+            raise ConfigError(f"speculative method must be ngram (or unset), got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.disable_above_batch_size < 1:
+            raise ConfigError(f"disable_above_batch_size must be >= 1, got {self.disable_above_batch_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How the engine lays out the KV cache and which step shapes it compiles.
 
@@ -223,11 +255,15 @@ class EngineConfig:
     # Automatic prefix caching (engine/prefix_cache.py): full pages of computed prompts stay
     # cached after their request ends and a later prompt with the same prefix reuses them.
     enable_prefix_caching: bool = True
+    speculative: SpeculativeConfig = SpeculativeConfig()  # [engine.speculative]
     interpret: bool = False  # run Pallas kernels in interpret mode (tests on CPU)
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
     seed: int = 0
 
     def __post_init__(self):
+        if isinstance(self.speculative, dict):
+            object.__setattr__(self, "speculative", _build(SpeculativeConfig, self.speculative,
+                                                           "[engine.speculative]"))
         for name in ("decode_batch_buckets", "context_buckets", "prefill_batch_buckets", "prefill_length_buckets"):
             value = tuple(sorted(set(int(v) for v in getattr(self, name))))
             if not value or value[0] < 1:

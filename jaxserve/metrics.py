@@ -70,6 +70,11 @@ class Metrics:
                                     [*m, "kind"], buckets=SIZE_BUCKETS, registry=r)
         self.step_tokens = Histogram("jaxserve:engine_step_tokens", "Tokens computed in one engine step.",
                                      [*m, "kind"], buckets=SIZE_BUCKETS, registry=r)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Sequences verified with a speculative draft.",
+                                   m, registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", m, registry=r)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", m,
+                                     registry=r)
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.state = StateCollector()
         r.register(self.state)
@@ -96,6 +101,7 @@ class EngineMetrics:
         self._e2e, self._queue = m.e2e.labels(name), m.queue.labels(name)
         self._prompt, self._generated = m.prompt_tokens.labels(name), m.generation_tokens.labels(name)
         self._success = m.success
+        self._spec = (m.spec_drafts.labels(name), m.spec_draft_tokens.labels(name), m.spec_accepted.labels(name))
         self._step = {k: (m.step_time.labels(name, k), m.batch_size.labels(name, k), m.step_tokens.labels(name, k))
                       for k in ("prefill", "decode")}
 
@@ -119,6 +125,10 @@ class EngineMetrics:
         n = len(seq.output_ids)
         if n > 1 and seq.first_token_at is not None:
             self._tpot.observe((seq.last_token_at - seq.first_token_at) / (n - 1))
+
+    def speculated(self, drafts: int, draft_tokens: int, accepted: int) -> None:
+        for counter, n in zip(self._spec, (drafts, draft_tokens, accepted)):
+            counter.inc(n)
 
     def step(self, decode: bool, seqs: int, tokens: int, seconds: float) -> None:
         time_h, size_h, tokens_h = self._step["decode" if decode else "prefill"]

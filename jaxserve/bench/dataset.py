@@ -10,7 +10,11 @@ jaxserve/bench/multiturn.py):
   fixed          every prompt has exactly `input_len` tokens and asks for `output_len`;
   sharegpt-like  lognormal lengths with medians `input_len` / `output_len` and a
                  spread `sigma`, clipped to [4, 4 x median]: the long right tail of
-                 real chat traffic (ShareGPT) without shipping ShareGPT.
+                 real chat traffic (ShareGPT) without shipping ShareGPT;
+  grounded       a passage of `input_len` tokens and the request to copy it out
+                 again, lightly edited: input-grounded work (editing code, quoting a
+                 document), where an answer repeats its prompt and prompt-lookup
+                 speculation pays.
 """
 
 from __future__ import annotations
@@ -65,17 +69,23 @@ def _lengths(rng: random.Random, n: int, median: int, sigma: float, kind: str) -
     return [max(4, min(4 * median, round(median * math.exp(rng.gauss(0.0, sigma))))) for _ in range(n)]
 
 
+GROUNDED = ("Here is a passage from the Python documentation:\n\n{passage}\n\n"
+            "Copy the passage out again word for word, changing only 'Python' to 'the language'.\n\n")
+
+
 def synthetic(tok: Tokenizer, n: int, input_len: int, output_len: int, *, kind: str = "fixed",
               sigma: float = 0.8, seed: int = 0, chat: bool = False) -> list[BenchPrompt]:
     """`n` prompts cut from the corpus; the same arguments always give the same prompts."""
-    if kind not in ("fixed", "sharegpt-like"):
-        raise ValueError(f"unknown dataset {kind!r}: fixed, sharegpt-like, multi-turn or a .jsonl file")
+    if kind not in ("fixed", "sharegpt-like", "grounded"):
+        raise ValueError(f"unknown dataset {kind!r}: fixed, sharegpt-like, grounded, multi-turn or a .jsonl file")
     rng = random.Random(seed)
-    ins = _lengths(rng, n, input_len, sigma, kind)
-    outs = _lengths(rng, n, output_len, sigma, kind)
+    ins = _lengths(rng, n, input_len, sigma, "fixed" if kind == "grounded" else kind)
+    outs = _lengths(rng, n, output_len, sigma, "fixed" if kind == "grounded" else kind)
     prompts = []
     for p_len, o_len in zip(ins, outs):
         text = corpus_window(tok, rng, p_len)
+        if kind == "grounded":
+            text = GROUNDED.format(passage=text)
         count = len(tok.encode(text, add_special_tokens=False).ids)
         if chat:
             prompts.append(BenchPrompt(None, [{"role": "user", "content": text}], count, o_len))

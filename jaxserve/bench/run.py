@@ -92,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default="checkpoints/smollm2-135m-instruct",
                    help="directory with tokenizer.json, to build prompts of exact token lengths and count tokens")
     p.add_argument("--dataset", default="fixed",
-                   help="fixed | sharegpt-like | multi-turn | PATH.jsonl; multi-turn: --num-prompts conversations "
+                   help="fixed | sharegpt-like | grounded | multi-turn | PATH.jsonl; grounded: copy out an "
+                        "--input-len passage, lightly edited (where prompt-lookup speculation pays); multi-turn: --num-prompts conversations "
                         "of --turns turns over one --system-len system prompt, user messages of --input-len")
     p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     p.add_argument("--system-len", type=int, default=1000, help="multi-turn: tokens of the shared system prompt")

@@ -53,6 +53,7 @@ from jaxserve.engine.limits import RequestLimits
 from jaxserve.engine.runner import Launched, ModelRunner, ScheduledItem, StepResult, enable_compilation_cache
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, by_priority
 from jaxserve.engine.sequence import InvalidRequest, SamplingParams, Sequence, Status, TokenEvent
+from jaxserve.engine.speculative import propose
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ class Engine:
         self.page_bytes = page_bytes  # of one page, all layers' K and V
         self.metrics = None  # a jaxserve.metrics.EngineMetrics when served; called from the engine thread
         self._inflight: Launched | None = None  # a decode call launched, not yet postprocessed
+        # speculative decoding so far: (rows with drafts, draft tokens, draft tokens accepted)
+        self.spec_counts: tuple[int, int, int] = (0, 0, 0)
         self._inflight_started = 0.0
         self.compile_seconds = self.runner.warmup() if warmup else 0.0
         log.info("engine ready: %d pages of %d tokens, max_model_len %d, max_num_seqs %d",
@@ -225,6 +228,9 @@ class Engine:
         k = prev.k
         if k != self.config.decode_steps or not self._only_decoding() or (prev.valid < k).any():
             return None
+        spec = self.config.speculative
+        if spec.enabled and len(self.scheduler.running) <= spec.disable_above_batch_size:
+            return None  # few enough to speculate: the next step looks for drafts first
         seqs = [it.seq for it in prev.items if not it.seq.is_finished]
         if not seqs or len(seqs) != len(self.scheduler.running):
             return None  # a sequence outside the call (a swapped-in one) needs the scheduler
@@ -265,12 +271,15 @@ class Engine:
                     it.seq.scheduled_at = started
                     if self.metrics is not None:
                         self.metrics.scheduled(it.seq, started)
+            faults.check_step(it.seq.request_id for it in batch.items)
+            drafts = self._drafts(batch.items) if batch.decode else None
+            if drafts is not None:  # speculative: one verify call, read before the next step
+                return self._complete(self.runner.launch_verify(batch.items, drafts), started)
             steady = batch.decode and self._only_decoding()
             k = self.config.decode_steps if steady else 1
             if k > 1:  # pages for the whole call where the pool has them; the rest is not valid
                 for it in batch.items:
                     self.pool.grow(it.seq.pages, min(it.seq.num_tokens + k - 1, self.config.max_model_len))
-            faults.check_step(it.seq.request_id for it in batch.items)
             launched = self.runner.launch(batch.items, batch.decode, k)
         except Exception as e:  # a failed device step ends the requests in it, and only them
             return self._fail(batch.items, batch.swap_in, e)
@@ -278,6 +287,24 @@ class Engine:
             self._inflight, self._inflight_started = launched, started
             return []
         return self._complete(launched, started)
+
+    def _drafts(self, items: list[ScheduledItem]) -> list[list[int]] | None:
+        """Each decoding sequence's n-gram proposal, or None when this step should decode plainly
+        (speculation off, too many sequences for it to pay, or nothing proposed). A proposal is
+        cut to what the sequence may still generate and to the pages the pool can give it."""
+        spec = self.config.speculative
+        if not spec.enabled or len(items) > spec.disable_above_batch_size:
+            return None
+        drafts = []
+        for it in items:
+            seq = it.seq
+            room = min(spec.num_speculative_tokens, self.config.max_model_len - seq.num_tokens,
+                       seq.params.max_tokens - len(seq.output_ids) - 1)
+            d = propose(seq.tokens, room, spec.ngram_min, spec.ngram_max) if seq.params.speculative else []
+            if d and not self.pool.grow(seq.pages, seq.num_tokens + len(d)):
+                d = d[:max(0, len(seq.pages) * self.pool.page_size - seq.num_tokens)]
+            drafts.append(d)
+        return drafts if any(drafts) else None
 
     def _fail(self, items: list[ScheduledItem], extra: list[Sequence], e: Exception) -> list[TokenEvent]:
         seqs = list({id(s): s for s in [it.seq for it in items] + extra}.values())
@@ -299,6 +326,12 @@ class Engine:
             result = launched.result()
         except Exception as e:
             return self._fail(launched.items, [], e)
+        if launched.drafts is not None:
+            counts = (int((launched.num_drafts > 0).sum()), int(launched.num_drafts.sum()),
+                      int((result.valid - 1).sum()))
+            self.spec_counts = tuple(a + b for a, b in zip(self.spec_counts, counts))
+            if self.metrics is not None:
+                self.metrics.speculated(*counts)
         if self.metrics is not None:
             self.metrics.step(launched.decode, len(launched.items),
                               sum(it.length for it in launched.items) * launched.k, time.monotonic() - started)

@@ -46,6 +46,7 @@ from flax import struct
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingArrays, sample
 from jaxserve.engine.sequence import SamplingParams, Sequence
+from jaxserve.engine.speculative import accepted_lengths
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.linear import resolve as resolve_impl
 from jaxserve.models import family
@@ -100,12 +101,16 @@ class StepResult:
 
 
 class Launched:
-    """A dispatched call: its items, and its outputs on their way to the host."""
+    """A dispatched call: its items, and its outputs on their way to the host. A verify call
+    (speculative decoding) carries its drafts [n, k - 1] and num_drafts [n]: how many of its
+    k samples each row keeps is known once they are read (`valid` is None until then)."""
 
-    def __init__(self, items: list[ScheduledItem], decode: bool, k: int, out: SampleOutput, valid: np.ndarray,
-                 chain_tokens: jax.Array | None):
+    def __init__(self, items: list[ScheduledItem], decode: bool, k: int, out: SampleOutput,
+                 valid: np.ndarray | None, chain_tokens: jax.Array | None, drafts: np.ndarray | None = None,
+                 num_drafts: np.ndarray | None = None):
         self.items, self.decode, self.k = items, decode, k
         self._out, self.valid = out, valid
+        self.drafts, self.num_drafts = drafts, num_drafts
         self.chain_tokens = chain_tokens  # [k, R] device tokens a next call may chain on (decode only)
         self.rows = {id(it.seq): i for i, it in enumerate(items)}
         for leaf in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs):
@@ -120,7 +125,10 @@ class Launched:
                 take = lambda a: np.swapaxes(np.asarray(a), 0, 1)[:n]  # noqa: E731
             else:
                 take = lambda a: np.asarray(a)[:n, None]  # noqa: E731
-            self._result = StepResult(tokens=take(o.tokens), logprobs=take(o.logprobs), top_ids=take(o.top_ids),
+            tokens = take(o.tokens)
+            if self.drafts is not None:
+                self.valid = accepted_lengths(tokens, self.drafts, self.num_drafts)
+            self._result = StepResult(tokens=tokens, logprobs=take(o.logprobs), top_ids=take(o.top_ids),
                                       top_logprobs=take(o.top_logprobs), valid=self.valid)
             self._out = None
         return self._result
@@ -166,6 +174,12 @@ class ModelRunner:
         self.kv_cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         self._jitted = jax.jit(self._step, donate_argnums=(1,))
         self._jitted_decode = jax.jit(self._decode_step, donate_argnums=(1,))
+        self._jitted_verify = jax.jit(self._verify_step, donate_argnums=(1,))
+        spec = cfg.speculative
+        # Verify calls feed k + 1 tokens per row, for the batch sizes speculation runs at.
+        self.verify_width = spec.num_speculative_tokens + 1 if spec.enabled else 0
+        top = _bucket(min(spec.disable_above_batch_size, cfg.max_num_seqs), self.decode_batches)
+        self.verify_batches = tuple(b for b in self.decode_batches if b <= top) if spec.enabled else ()
         self.max_decode_steps = cfg.decode_steps
         self.chain_rows = self.decode_batches[-1]  # rows of every decode call's chain output
         # prefill keys (B, T, P); decode keys (B, 0, P): any number of steps up to max_decode_steps
@@ -183,11 +197,14 @@ class ModelRunner:
 
     # The jitted step --------------------------------------------------------------------
 
-    def _step(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays):
-        meta = AttentionMetadata(positions=inp.positions, context_lens=inp.context_lens,
+    def _meta(self, inp: StepInputs) -> AttentionMetadata:
+        return AttentionMetadata(positions=inp.positions, context_lens=inp.context_lens,
                                  slot_mapping=inp.slot_mapping, block_tables=inp.block_tables,
                                  sliding_window=self.model_cfg.sliding_window, attention_impl=self.attention_impl,
                                  matmul_impl=self.matmul_impl, interpret=self.cfg.interpret)
+
+    def _step(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays):
+        meta = self._meta(inp)
         with jax.named_scope("model"):  # names the ops in a profile: model/..., sample/...
             hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, inp.tokens, meta, kv_cache)
             B = hidden.shape[0]
@@ -195,6 +212,32 @@ class ModelRunner:
             logits = self.model.logits_from_hidden(params, last, self.matmul_impl, self.cfg.interpret)  # [B, V]
         with jax.named_scope("sample"):
             return sample(logits, sampling), kv_cache
+
+    def _verify_step(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays):
+        """Speculative verification: feed [B, T] tokens (each row's last token, then its drafts)
+        and sample after every one of them, as T decode steps would: position j with the
+        row's counter + j and, for the penalties, a history holding the drafts before it.
+        Returns SampleOutput laid out [T, B, ...] like a decode call's, and the cache."""
+        meta = self._meta(inp)
+        with jax.named_scope("model"):
+            hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, inp.tokens, meta, kv_cache)
+            B, T, D = hidden.shape
+            logits = self.model.logits_from_hidden(params, hidden.reshape(B * T, D), self.matmul_impl,
+                                                   self.cfg.interpret)  # [B * T, V]
+        with jax.named_scope("sample"):
+            H = sampling.history.shape[1]
+            j = jnp.arange(T)
+            # history of position j: the host's (through the row's last token) + drafts 1 .. j
+            feeds = (j[None, :, None] >= j[None, None, :]) & (j[None, None, :] >= 1)  # [1, T (j), T (i)]
+            at = jnp.where(feeds, inp.positions[:, None, :], H)  # [B, T, T], H: dropped
+            history = jnp.broadcast_to(sampling.history[:, None, :], (B, T, H))
+            history = history.at[jnp.arange(B)[:, None, None], j[None, :, None], at].set(
+                jnp.broadcast_to(inp.tokens[:, None, :], (B, T, T)), mode="drop")
+            flat = jax.tree.map(lambda a: jnp.repeat(a, T, axis=0), sampling).replace(
+                counters=(sampling.counters[:, None] + j[None, :]).reshape(B * T),
+                history=history.reshape(B * T, H))
+            out = sample(logits, flat)
+        return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(B, T, *a.shape[1:]), 0, 1), out), kv_cache
 
     def _decode_step(self, params, kv_cache, inp: DecodeInputs, sampling: SamplingArrays, chain: jax.Array,
                      num_steps: jax.Array):
@@ -245,11 +288,13 @@ class ModelRunner:
     # Buckets and compilation ----------------------------------------------------------
 
     def buckets(self) -> list[tuple[int, int, int]]:
-        """Every shape a call can take: (B, T, P) of a prefill step, (B, 0, P) of a decode call."""
+        """Every shape a call can take: (B, T, P) of a prefill step, (B, 0, P) of a decode call,
+        (B, -T, P) of a verify call (T = num_speculative_tokens + 1, speculation on)."""
         decode = [(b, 0, p) for b in self.decode_batches for p in self.context_page_buckets]
         prefill = [(b, t, p) for b in self.prefill_batches for t in self.prefill_lengths
                    for p in self.prefill_page_buckets(t)]
-        return decode + prefill
+        verify = [(b, -self.verify_width, p) for b in self.verify_batches for p in self.context_page_buckets]
+        return decode + prefill + verify
 
     def prefill_page_buckets(self, T: int) -> tuple[int, ...]:
         """Context widths (in pages) a [B, T] prefill compiles for: every context bucket from
@@ -268,7 +313,8 @@ class ModelRunner:
         if T == 0:  # a decode call
             inp = DecodeInputs(tokens=sds((B,), i32), chain_row=sds((B,), i32), start=sds((B,), i32),
                                alloc=sds((B,), i32), block_tables=sds((B, P), i32))
-        else:
+        else:  # prefill, or verify (T < 0)
+            T = abs(T)
             inp = StepInputs(tokens=sds((B, T), i32), positions=sds((B, T), i32), slot_mapping=sds((B, T), i32),
                              block_tables=sds((B, P), i32), context_lens=sds((B,), i32), last_index=sds((B,), i32))
         H = P * self.page_size
@@ -285,7 +331,7 @@ class ModelRunner:
         return params, kv, inp, samp
 
     def _compile(self, key: tuple[int, int, int]):
-        fn = self._jitted_decode if key[1] == 0 else self._jitted
+        fn = self._jitted_decode if key[1] == 0 else self._jitted_verify if key[1] < 0 else self._jitted
         return fn.lower(*self._abstract_args(*key)).compile()
 
     def warmup(self) -> float:
@@ -297,6 +343,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             self._executables[key] = self._compile(key)
             log.info("compiled %s in %.2fs", "decode B=%d P=%d" % (key[0], key[2]) if key[1] == 0
+                     else "verify B=%d T=%d P=%d" % (key[0], -key[1], key[2]) if key[1] < 0
                      else "prefill B=%d T=%d P=%d" % key, time.perf_counter() - t0)
         if self.swap_enabled:
             for n in self.swap_buckets:
@@ -406,6 +453,38 @@ class ModelRunner:
         (out, chain_tokens), self.kv_cache = self.executable((B, 0, P))(self.params, self.kv_cache, dinp, samp,
                                                                         chain_in, np.int32(k))
         return Launched(items, True, k, out, valid, chain_tokens)
+
+    def launch_verify(self, items: list[ScheduledItem], drafts: list[list[int]]) -> Launched:
+        """Dispatch a verify call: row i feeds its last token (position items[i].start) and then
+        drafts[i], which must fit in the pages the sequence holds; rows with fewer drafts than
+        the call's width are padded with tokens that write nothing and are never kept."""
+        n, ps, T = len(items), self.page_size, self.verify_width
+        k = T - 1
+        B = _bucket(n, self.verify_batches)
+        P = _bucket(min(-(-(max(it.start for it in items) + T) // ps), self.max_pages_per_seq),
+                    self.context_page_buckets)
+        tokens, positions = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+        slots = np.full((B, T), self.drop_slot, np.int32)
+        tables, ctx = np.zeros((B, P), np.int32), np.zeros(B, np.int32)
+        draft_ids, num_drafts = np.zeros((n, k), np.int32), np.zeros(n, np.int32)
+        for i, (it, d) in enumerate(zip(items, drafts)):
+            seq, s, m = it.seq, it.start, len(d)
+            assert m <= k and s + m < len(seq.pages) * ps, "drafts past the call's width or the row's pages"
+            pages = np.asarray(seq.pages, np.int32)
+            tokens[i, 0] = seq.token_at(s)
+            tokens[i, 1:m + 1] = d
+            positions[i] = np.arange(s, s + T)
+            pos = positions[i, :m + 1]
+            slots[i, :m + 1] = pages[pos // ps] * ps + pos % ps
+            tables[i, :min(len(pages), P)] = pages[:P]
+            ctx[i] = s + m + 1
+            draft_ids[i, :m], num_drafts[i] = d, m
+        inp = StepInputs(tokens=tokens, positions=positions, slot_mapping=slots, block_tables=tables,
+                         context_lens=ctx, last_index=np.zeros(B, np.int32))
+        samp = self._sampling_arrays(items, B, P * ps, [it.seq.num_tokens for it in items])
+        with jax.profiler.TraceAnnotation("jaxserve.verify", seqs=n):
+            out, self.kv_cache = self.executable((B, -T, P))(self.params, self.kv_cache, inp, samp)
+        return Launched(items, True, T, out, None, None, draft_ids, num_drafts)
 
     def _host_arrays(self, items: list[ScheduledItem], B: int, T: int, P: int):
         """A prefill step's inputs: items[i] feeds tokens[start:start + length] of its sequence."""

@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""Speculative decoding (n-gram prompt lookup), measured: on against off against llama-server.
+
+    python scripts/bench_speculative.py                       # everything below
+    python scripts/bench_speculative.py --skip llama-server   # jaxserve only
+
+1. Grounded, single stream: `jaxserve bench --dataset grounded --endpoint chat` (copy out a
+   passage of --input-len tokens, lightly edited; --output-len tokens, greedy, EOS ignored),
+   one request at a time, against jaxserve with `--speculative-method ngram`, jaxserve
+   without, and llama-server; output tok/s and the acceptance rate jaxserve's /metrics report.
+2. Ordinary load: `--dataset fixed` 256-token prompts, 128 out, concurrency 64, against both
+   jaxserve servers: speculation must turn itself off where it does not pay.
+
+Both jaxserve servers use configs/server.toml and run one after the other (this machine has
+two cores). Results go between the bench-speculative markers of BENCHMARKS.md and to
+benchmarks/speculative.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_compare import free_port, server_command, stop, wait_healthy, write_benchmarks_md  # noqa: E402
+
+from jaxserve.bench import report  # noqa: E402
+from jaxserve.bench.machine import describe  # noqa: E402
+from jaxserve.bench.run import add_arguments, run_sweep  # noqa: E402
+from jaxserve.default_model import DEFAULT_DIR  # noqa: E402
+
+START, END = "<!-- bench-speculative:start -->", "<!-- bench-speculative:end -->"
+ON, OFF, LLAMA = "jaxserve, ngram speculation", "jaxserve, no speculation", "llama-server"
+SERVERS = {ON: ("jaxserve", ["--speculative-method", "ngram"]), OFF: ("jaxserve", []), LLAMA: ("llama-server", [])}
+
+
+def start(label: str, out: Path):
+    name, extra = SERVERS[label]
+    port = free_port()
+    cmd = server_command(name, port, 64, 2048, extra)
+    log = out / f"speculative-{re.sub(r'[^a-z]+', '-', label)}.log"
+    print(f"== {label}: {shlex.join(cmd)}", file=sys.stderr)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log)
+    except Exception:
+        stop(proc)
+        raise
+    return proc, url, cmd
+
+
+def bench(url: str, label: str, *flags: str) -> dict:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    (r,) = run_sweep(p.parse_args(["--url", url, "--tokenizer", str(DEFAULT_DIR), "--label", label, *flags]),
+                     progress=True)
+    return r
+
+
+def spec_counters(url: str) -> dict[str, float]:
+    """vllm:spec_decode_* totals from a jaxserve server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in family.samples:
+            if s.name.startswith("vllm:spec_decode_") and s.name.endswith("_total"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=8, help="grounded requests, one at a time")
+    ap.add_argument("--input-len", type=int, default=192)
+    ap.add_argument("--output-len", type=int, default=192)
+    ap.add_argument("--load-prompts", type=int, default=128, help="requests of the concurrency-64 run")
+    ap.add_argument("--skip", default="", help="comma list: llama-server, load")
+    ap.add_argument("--out-dir", default="benchmarks")
+    ap.add_argument("--markdown", default="BENCHMARKS.md")
+    args = ap.parse_args()
+    os.chdir(ROOT)
+    skip = set(filter(None, args.skip.split(",")))
+    out = Path(args.out_dir)
+    out.mkdir(exist_ok=True)
+    machine, t_all = describe(), time.monotonic()
+    grounded = ["--dataset", "grounded", "--endpoint", "chat", "--num-prompts", str(args.prompts),
+                "--max-concurrency", "1", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                "--warmup", "1"]
+    load = ["--num-prompts", str(args.load_prompts), "--max-concurrency", "64", "--input-len", "256",
+            "--output-len", "128", "--warmup", "2"]
+    single, heavy, accept, commands = {}, {}, {}, {}
+    for label in (ON, OFF, LLAMA):
+        if label == LLAMA and "llama-server" in skip:
+            continue
+        proc, url, commands[label] = start(label, out)
+        try:
+            before = spec_counters(url) if label != LLAMA else {}
+            single[label] = bench(url, label, *grounded)
+            if label == ON:
+                after = spec_counters(url)
+                grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                accept[label] = grew
+            if label != LLAMA and "load" not in skip:
+                heavy[label] = bench(url, label, *load)
+        finally:
+            stop(proc)
+    wall = time.monotonic() - t_all
+    report.save_json(out / "speculative.json", {"machine": machine, "grounded": single, "load": heavy,
+                                                "acceptance": accept,
+                                                "commands": {k: shlex.join(v) for k, v in commands.items()}})
+    write_benchmarks_md(markdown(machine, single, heavy, accept, commands, args, wall), Path(args.markdown),
+                        START, END)
+    print(f"wrote {args.markdown} and {out}/speculative.json in {wall / 60:.1f} min", file=sys.stderr)
+    return 0
+
+
+def markdown(machine: dict, single: dict, heavy: dict, accept: dict, commands: dict, args, wall: float) -> str:
+    ms = 1e3
+    lines = [START, "", "## Speculative decoding: n-gram prompt lookup (issue 20)", "",
+             f"One run of `python scripts/bench_speculative.py` on {time.strftime('%Y-%m-%d')}: {machine['cpu']}, "
+             f"{machine['cores']} cores ({wall / 60:.1f} min).", "",
+             f"Grounded, one request at a time: {args.prompts} chat requests that each give a {args.input_len}-token "
+             "passage and ask for it copied out again, lightly edited (`jaxserve bench --dataset grounded`), "
+             f"{args.output_len} tokens out, greedy, EOS ignored.", "",
+             "| server | output tok/s | TTFT p50 (ms) | TPOT p50 (ms) |", "| --- | ---: | ---: | ---: |"]
+    for label, r in single.items():
+        lines.append(f"| {label} | {r['output_throughput']:.1f} | {r['ttft']['p50'] * ms:.0f} "
+                     f"| {r['tpot']['p50'] * ms:.1f} |")
+    if ON in single and OFF in single:
+        lines += ["", f"Output tok/s, speculation on / off: **{single[ON]['output_throughput'] / single[OFF]['output_throughput']:.2f}x**"
+                  + (f"; on / llama-server: **{single[ON]['output_throughput'] / single[LLAMA]['output_throughput']:.2f}x**"
+                     if LLAMA in single else "") + "."]
+    if accept.get(ON):
+        a = accept[ON]
+        drafted = a.get("vllm:spec_decode_num_draft_tokens_total", 0)
+        rate = a.get("vllm:spec_decode_num_accepted_tokens_total", 0) / drafted if drafted else float("nan")
+        lines.append(f"Acceptance (from /metrics over the grounded run): {a.get('vllm:spec_decode_num_drafts_total', 0):.0f} "
+                     f"verified drafts, {drafted:.0f} draft tokens, {100 * rate:.1f} % accepted.")
+    if heavy:
+        lines += ["", "Ordinary load: 256-token prompts, 128 out, concurrency 64 (speculation turns itself off "
+                  "above 4 running sequences):", "",
+                  "| server | output tok/s | TPOT p50 (ms) |", "| --- | ---: | ---: |"]
+        for label, r in heavy.items():
+            lines.append(f"| {label} | {r['output_throughput']:.1f} | {r['tpot']['p50'] * ms:.1f} |")
+        if ON in heavy and OFF in heavy:
+            lines += ["", f"Throughput at concurrency 64, on / off: "
+                      f"**{heavy[ON]['output_throughput'] / heavy[OFF]['output_throughput']:.3f}x**."]
+    lines += ["", "Servers: " + "; ".join(f"{k}: `{shlex.join(v)}`" for k, v in commands.items()), "", END]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
