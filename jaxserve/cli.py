@@ -235,7 +235,7 @@ def _cmd_bench(args) -> int:
 def _speculative_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-method", choices=("ngram",),
                    help="speculative decoding: ngram proposes tokens by prompt lookup (default: off)")
-    p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="tokens proposed per step (default 4)")
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="tokens proposed per step (default 8)")
     p.add_argument("--speculative-disable-above-batch-size", type=int, metavar="N",
                    help="decode plainly when more sequences than this run (default 4)")
 

@@ -88,10 +88,13 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=192)
     ap.add_argument("--output-len", type=int, default=192)
     ap.add_argument("--load-prompts", type=int, default=128, help="requests of the concurrency-64 run")
+    ap.add_argument("--num-speculative-tokens", type=int, default=8, help="the speculating server's K")
     ap.add_argument("--skip", default="", help="comma list: llama-server, load")
     ap.add_argument("--out-dir", default="benchmarks")
     ap.add_argument("--markdown", default="BENCHMARKS.md")
     args = ap.parse_args()
+    SERVERS[ON] = ("jaxserve", ["--speculative-method", "ngram", "--num-speculative-tokens",
+                                str(args.num_speculative_tokens)])
     os.chdir(ROOT)
     skip = set(filter(None, args.skip.split(",")))
     out = Path(args.out_dir)

@@ -47,7 +47,7 @@ def test_speculation_config_is_checked():
         EngineConfig(speculative={"method": "medusa"})
     with pytest.raises(ConfigError, match="ngram_min"):
         EngineConfig(speculative={"method": "ngram", "ngram_min": 3, "ngram_max": 2})
-    assert EngineConfig(speculative={"method": "ngram"}).speculative.num_speculative_tokens == 4
+    assert EngineConfig(speculative={"method": "ngram"}).speculative.num_speculative_tokens == 8
 
 
 @pytest.fixture(scope="module")
