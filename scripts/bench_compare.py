@@ -103,6 +103,33 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def start_server(name: str, label: str, extra: list[str], slots: int, ctx: int, log: Path
+                 ) -> tuple[subprocess.Popen, str, list[str]]:
+    """Start server `name` (server_command) on a free port, logging to `log`, and wait until it
+    is healthy: (process, base URL, command)."""
+    port = free_port()
+    cmd = server_command(name, port, slots, ctx, extra)
+    print(f"== {label}: {shlex.join(cmd)}", file=sys.stderr)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log)
+    except Exception:
+        stop(proc)
+        raise
+    return proc, url, cmd
+
+
+def bench_once(url: str, label: str, *flags: str) -> dict:
+    """One `jaxserve bench` run against `url` with these flags (one concurrency): its result."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    (r,) = run_sweep(p.parse_args(["--url", url, "--tokenizer", str(DEFAULT_DIR), "--label", label, *flags]),
+                     progress=True)
+    return r
+
+
 def fmt_row(name: str, r: dict) -> str:
     ms = 1e3
     return (f"| {name} | {r['max_concurrency']} | {r['completed']}/{r['num_prompts']} | {r['output_throughput']:.1f} "

@@ -24,7 +24,6 @@ import argparse
 import os
 import re
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,12 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_compare import free_port, results_table, server_command, stop, wait_healthy, write_benchmarks_md  # noqa: E402
+from bench_compare import bench_once, results_table, start_server, stop, write_benchmarks_md  # noqa: E402
 
 from jaxserve.bench import multiturn, report  # noqa: E402
 from jaxserve.bench.machine import describe  # noqa: E402
-from jaxserve.bench.run import add_arguments, run_sweep  # noqa: E402
-from jaxserve.default_model import DEFAULT_DIR  # noqa: E402
 
 START, END = "<!-- bench-prefix:start -->", "<!-- bench-prefix:end -->"
 SERVERS = {"jaxserve, prefix caching": ("jaxserve", []),
@@ -48,27 +45,7 @@ SERVERS = {"jaxserve, prefix caching": ("jaxserve", []),
 
 def start(label: str, out: Path, slots: int, ctx: int):
     name, extra = SERVERS[label]
-    port = free_port()
-    cmd = server_command(name, port, slots, ctx, extra)
-    log = out / f"prefix-{re.sub(r'[^a-z]+', '-', label)}.log"
-    print(f"== {label}: {shlex.join(cmd)}", file=sys.stderr)
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log)
-    except Exception:
-        stop(proc)
-        raise
-    return proc, url, cmd
-
-
-def bench(url: str, label: str, *flags: str) -> dict:
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    (r,) = run_sweep(p.parse_args(["--url", url, "--tokenizer", str(DEFAULT_DIR), "--label", label, *flags]),
-                     progress=True)
-    return r
+    return start_server(name, label, extra, slots, ctx, out / f"prefix-{re.sub(r'[^a-z]+', '-', label)}.log")
 
 
 def main() -> int:
@@ -102,12 +79,12 @@ def main() -> int:
             procs[label] = start(label, out, 16, 2048)
             commands[label] = procs[label][2]
         for label in (on, off):
-            multi[label] = bench(procs[label][1], label, *turn_flags)
+            multi[label] = bench_once(procs[label][1], label, *turn_flags)
         if "no-hit" not in skip:
             for i in range(args.rounds):
                 for label in (on, off):
                     # new prompts each round (seed i), the same for both servers within a round
-                    nohit.setdefault(label, []).append(bench(procs[label][1], f"{label} #{i + 1}", *random_flags,
+                    nohit.setdefault(label, []).append(bench_once(procs[label][1], f"{label} #{i + 1}", *random_flags,
                                                              "--seed", str(100 + i)))
     finally:
         for proc, _, _ in procs.values():
@@ -116,7 +93,7 @@ def main() -> int:
         label = "llama-server"
         proc, url, commands[label] = start(label, out, args.conversations, 2048)
         try:
-            multi[label] = bench(url, label, *turn_flags)
+            multi[label] = bench_once(url, label, *turn_flags)
         finally:
             stop(proc)
     wall = time.monotonic() - t_all

@@ -22,7 +22,6 @@ import argparse
 import os
 import re
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,12 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_compare import free_port, server_command, stop, wait_healthy, write_benchmarks_md  # noqa: E402
+from bench_compare import bench_once, start_server, stop, write_benchmarks_md  # noqa: E402
 
 from jaxserve.bench import report  # noqa: E402
 from jaxserve.bench.machine import describe  # noqa: E402
-from jaxserve.bench.run import add_arguments, run_sweep  # noqa: E402
-from jaxserve.default_model import DEFAULT_DIR  # noqa: E402
 
 START, END = "<!-- bench-speculative:start -->", "<!-- bench-speculative:end -->"
 ON, OFF, LLAMA = "jaxserve, ngram speculation", "jaxserve, no speculation", "llama-server"
@@ -47,27 +44,7 @@ SERVERS = {ON: ("jaxserve", ["--speculative-method", "ngram"]), OFF: ("jaxserve"
 
 def start(label: str, out: Path):
     name, extra = SERVERS[label]
-    port = free_port()
-    cmd = server_command(name, port, 64, 2048, extra)
-    log = out / f"speculative-{re.sub(r'[^a-z]+', '-', label)}.log"
-    print(f"== {label}: {shlex.join(cmd)}", file=sys.stderr)
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log)
-    except Exception:
-        stop(proc)
-        raise
-    return proc, url, cmd
-
-
-def bench(url: str, label: str, *flags: str) -> dict:
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    (r,) = run_sweep(p.parse_args(["--url", url, "--tokenizer", str(DEFAULT_DIR), "--label", label, *flags]),
-                     progress=True)
-    return r
+    return start_server(name, label, extra, 64, 2048, out / f"speculative-{re.sub(r'[^a-z]+', '-', label)}.log")
 
 
 def spec_counters(url: str) -> dict[str, float]:
@@ -112,13 +89,13 @@ def main() -> int:
         proc, url, commands[label] = start(label, out)
         try:
             before = spec_counters(url) if label != LLAMA else {}
-            single[label] = bench(url, label, *grounded)
+            single[label] = bench_once(url, label, *grounded)
             if label == ON:
                 after = spec_counters(url)
                 grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
                 accept[label] = grew
             if label != LLAMA and "load" not in skip:
-                heavy[label] = bench(url, label, *load)
+                heavy[label] = bench_once(url, label, *load)
         finally:
             stop(proc)
     wall = time.monotonic() - t_all
