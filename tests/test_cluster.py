@@ -421,17 +421,27 @@ def test_load_scales_out_and_its_end_scales_in_without_cutting_a_stream(cluster)
             results[i] = sse(list(r.iter_lines()))
 
     streams = [threading.Thread(target=long_stream, args=(i,)) for i in range(3)]  # 300 tokens: tens of seconds
-    for s in streams:
-        s.start()
-    # Per poll: Serve's RUNNING count, and how many replicas reported a stream running. A drop
-    # in the count right after a poll where every RUNNING replica had a stream removed a
-    # replica in the middle of a stream: the case a drain must get right.
+    def start_streams():
+        for s in streams:
+            # One at a time, so the router knows where the last one went and spreads them over
+            # both replicas (sent together, all three once matched the same cached prefix on one
+            # replica, the third waited there, and the scale-in only ever removed idle replicas).
+            s.start()
+            time.sleep(1.5)
+
+    starter = threading.Thread(target=start_streams)
+    starter.start()
+    # Per poll: Serve's RUNNING count, and how many replicas reported a stream running. A
+    # replica holding a stream was taken out of service (the case a drain must get right) when
+    # more replicas hold streams than Serve counts RUNNING (one is draining), or when the count
+    # drops right after a poll where every RUNNING replica had a stream.
     counts, busy = [], []
-    while any(s.is_alive() for s in streams):
+    while starter.is_alive() or any(s.is_alive() for s in streams):
         counts.append(states().get("RUNNING", 0))
         busy.append(sum(1 for r in cluster.replicas("scaler").values() if r["running"]))
         time.sleep(0.5)
-    drains = [i for i in range(len(counts) - 1) if counts[i + 1] < counts[i] and busy[i] >= counts[i]]
+    drains = [i for i in range(len(counts)) if busy[i] > counts[i] or
+              i + 1 < len(counts) and counts[i + 1] < counts[i] and busy[i] >= counts[i]]
     print(f"while 3 long streams ran: RUNNING replicas {counts}; replicas with a stream {busy}; "
           f"scale-ins of a replica holding a stream at polls {drains}")
     for i, evs in results.items():
