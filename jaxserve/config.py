@@ -180,7 +180,7 @@ class SpeculativeConfig:
     """
 
     method: str | None = None  # None | "ngram"
-    num_speculative_tokens: int = 8  # 4 gave 1.93x and 8 gave 2.26x on the grounded bench (BENCHMARKS.md)
+    num_speculative_tokens: int = 8  # why 8 and not 4: BENCHMARKS.md, "Speculative decoding"
     ngram_min: int = 2
     ngram_max: int = 4
     disable_above_batch_size: int = 4

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
 TOPICS = ["the moon", "bread", "rivers", "a small town", "chess", "autumn", "trains", "honey bees", "glaciers",
           "lighthouses", "the printing press", "volcanoes", "owls", "tea", "bridges", "the ocean floor"]
 
@@ -236,22 +237,17 @@ def report(results: list[Result], samples: list[Sample], final: Sample, window_m
 
 
 def start_server(model: str, config: str, port: int, log: Path) -> subprocess.Popen:
+    from bench_compare import stop, wait_healthy
+
     cmd = [sys.executable, "-m", "jaxserve", "serve", "--model", model, "--config", config, "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the server did not become healthy; see {log}")
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log)
+    except Exception:
+        stop(proc)
+        raise
+    return proc
 
 
 def main() -> int:

@@ -122,36 +122,27 @@ _USAGE = {
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
 }
 
-_CHAT_RESPONSE = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "usage": _USAGE,
-        "choices": {"type": "array", "items": {
-            "type": "object",
-            "properties": {"index": {"type": "integer"}, "finish_reason": _FINISH,
-                           "logprobs": _nullable({"type": "object"}),
-                           "message": {"type": "object", "properties": {"role": {"const": "assistant"},
-                                                                        "content": {"type": "string"}},
-                                       "required": ["role", "content"]}},
-            "required": ["index", "message", "finish_reason"]}},
-    },
-    "required": ["id", "object", "created", "model", "choices", "usage"],
-}
+def _response(obj: str, choice: dict, choice_required: list[str]) -> dict:
+    """A whole chat or completion answer: OpenAI's envelope around choices of `choice`'s fields."""
+    return {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": obj}, "created": {"type": "integer"},
+            "model": {"type": "string"}, "usage": _USAGE,
+            "choices": {"type": "array", "items": {
+                "type": "object",
+                "properties": {"index": {"type": "integer"}, "finish_reason": _FINISH,
+                               "logprobs": _nullable({"type": "object"}), **choice},
+                "required": ["index", *choice_required, "finish_reason"]}},
+        },
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+    }
 
-_COMPLETION_RESPONSE = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "usage": _USAGE,
-        "choices": {"type": "array", "items": {
-            "type": "object",
-            "properties": {"index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
-                           "logprobs": _nullable({"type": "object"})},
-            "required": ["index", "text", "finish_reason"]}},
-    },
-    "required": ["id", "object", "created", "model", "choices", "usage"],
-}
+
+_CHAT_RESPONSE = _response("chat.completion", {"message": {
+    "type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+    "required": ["role", "content"]}}, ["message"])
+_COMPLETION_RESPONSE = _response("text_completion", {"text": {"type": "string"}}, ["text"])
 
 _ERROR = {
     "type": "object",
