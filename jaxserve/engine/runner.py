@@ -44,9 +44,10 @@ import numpy as np
 from flax import struct
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.sampler import NUM_TOP_LOGPROBS, SampleOutput, SamplingArrays, sample
+from jaxserve.engine.sampler import (NUM_TOP_LOGPROBS, SampleOutput, SamplingArrays, gumbel_noise, probabilities,
+                                     sample, uniform_noise)
 from jaxserve.engine.sequence import SamplingParams, Sequence
-from jaxserve.engine.speculative import accepted_lengths
+from jaxserve.engine.speculative import ACCEPT_STREAM, accept_drafts, accepted_lengths
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.linear import resolve as resolve_impl
 from jaxserve.models import family
@@ -180,6 +181,7 @@ class ModelRunner:
         self.verify_width = spec.num_speculative_tokens + 1 if spec.enabled else 0
         top = _bucket(min(spec.disable_above_batch_size, cfg.max_num_seqs), self.decode_batches)
         self.verify_batches = tuple(b for b in self.decode_batches if b <= top) if spec.enabled else ()
+        self.judges_drafts = spec.method == "draft"  # verify calls take the draft's distributions
         self.max_decode_steps = cfg.decode_steps
         self.chain_rows = self.decode_batches[-1]  # rows of every decode call's chain output
         # prefill keys (B, T, P); decode keys (B, 0, P): any number of steps up to max_decode_steps
@@ -213,11 +215,13 @@ class ModelRunner:
         with jax.named_scope("sample"):
             return sample(logits, sampling), kv_cache
 
-    def _verify_step(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays):
+    def _verify_step(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays, draft_probs=None):
         """Speculative verification: feed [B, T] tokens (each row's last token, then its drafts)
         and sample after every one of them, as T decode steps would: position j with the
         row's counter + j and, for the penalties, a history holding the drafts before it.
-        Returns SampleOutput laid out [T, B, ...] like a decode call's, and the cache."""
+        With a draft model's distributions draft_probs [B, T - 1, V], a draft is judged by
+        speculative.accept_drafts instead of by equality with the sample. Returns
+        SampleOutput laid out [T, B, ...] like a decode call's, and the cache."""
         meta = self._meta(inp)
         with jax.named_scope("model"):
             hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, inp.tokens, meta, kv_cache)
@@ -237,7 +241,45 @@ class ModelRunner:
                 counters=(sampling.counters[:, None] + j[None, :]).reshape(B * T),
                 history=history.reshape(B * T, H))
             out = sample(logits, flat)
+            if draft_probs is not None:
+                out = self._judge_drafts(logits, flat, out, inp, draft_probs)
         return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(B, T, *a.shape[1:]), 0, 1), out), kv_cache
+
+    @staticmethod
+    def _judge_drafts(logits, flat: SamplingArrays, out: SampleOutput, inp: StepInputs, q) -> SampleOutput:
+        """Replace the plain samples [B * T] at draft positions by rejection sampling's tokens
+        (accepted draft or residual draw) and give the logprobs of the tokens kept."""
+        B, T = inp.tokens.shape
+        V = logits.shape[1]
+        p = probabilities(logits, flat).reshape(B, T, V)
+        gumbel = gumbel_noise(flat, V).reshape(B, T, V)
+        uniform = uniform_noise(flat, ACCEPT_STREAM).reshape(B, T)[:, :T - 1]
+        num_drafts = jnp.maximum(inp.context_lens - inp.positions[:, 0] - 1, 0)
+        tokens = accept_drafts(p, q, inp.tokens[:, 1:], num_drafts, uniform, gumbel, out.tokens.reshape(B, T))
+        tokens = tokens.reshape(B * T)
+        chosen = jax.lax.cond(flat.logprobs.any(),
+                              lambda: jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[:, None], -1)[:, 0],
+                              lambda: out.logprobs)
+        return out.replace(tokens=tokens, logprobs=chosen)
+
+    def _forward_one(self, params, kv_cache, tokens: jax.Array, pos: jax.Array, alloc: jax.Array,
+                     block_tables: jax.Array):
+        """One token per row: tokens [B] at positions pos [B] -> logits [B, V] and the cache. A row's
+        K/V is written where pos < alloc[b] (the tokens it holds pages for) and dropped past it;
+        a row with alloc 0 (padding) sees nothing."""
+        ps = self.page_size
+        page = jnp.take_along_axis(block_tables, jnp.minimum(pos // ps, block_tables.shape[1] - 1)[:, None],
+                                   axis=1)[:, 0]
+        slot = jnp.where(pos < alloc, page * ps + pos % ps, self.drop_slot)
+        ctx = jnp.where(alloc > 0, pos + 1, 0)
+        meta = AttentionMetadata(positions=pos[:, None], context_lens=ctx, slot_mapping=slot[:, None],
+                                 block_tables=block_tables, sliding_window=self.model_cfg.sliding_window,
+                                 attention_impl=self.attention_impl, matmul_impl=self.matmul_impl,
+                                 interpret=self.cfg.interpret)
+        with jax.named_scope("model"):
+            hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, tokens[:, None], meta, kv_cache)
+            logits = self.model.logits_from_hidden(params, hidden[:, 0], self.matmul_impl, self.cfg.interpret)
+        return logits, kv_cache
 
     def _decode_step(self, params, kv_cache, inp: DecodeInputs, sampling: SamplingArrays, chain: jax.Array,
                      num_steps: jax.Array):
@@ -256,7 +298,6 @@ class ModelRunner:
         hist_pos = inp.start[:, None] - K + 1 + jnp.arange(K)[None, :]  # [B, K]
         hist_pos = jnp.where(chained[:, None], hist_pos, sampling.history.shape[1])  # out of range: dropped
         history = sampling.history.at[rows[:, None], hist_pos].set(chain[:, src].T, mode="drop")
-        ps, drop = self.page_size, self.drop_slot
         n = min(NUM_TOP_LOGPROBS, self.model_cfg.vocab_size)
         outs = SampleOutput(tokens=jnp.zeros((K, B), jnp.int32), logprobs=jnp.zeros((K, B), jnp.float32),
                             top_ids=jnp.zeros((K, B, n), jnp.int32), top_logprobs=jnp.zeros((K, B, n), jnp.float32))
@@ -264,17 +305,7 @@ class ModelRunner:
         def one(i, carry):
             kv, tok, hist, outs = carry
             pos = inp.start + i  # [B]
-            page = jnp.take_along_axis(inp.block_tables, jnp.minimum(pos // ps, inp.block_tables.shape[1] - 1)[:, None],
-                                       axis=1)[:, 0]
-            slot = jnp.where(pos < inp.alloc, page * ps + pos % ps, drop)
-            ctx = jnp.where(inp.alloc > 0, pos + 1, 0)  # padding rows (alloc 0) see nothing
-            meta = AttentionMetadata(positions=pos[:, None], context_lens=ctx, slot_mapping=slot[:, None],
-                                     block_tables=inp.block_tables, sliding_window=self.model_cfg.sliding_window,
-                                     attention_impl=self.attention_impl, matmul_impl=self.matmul_impl,
-                                     interpret=self.cfg.interpret)
-            with jax.named_scope("model"):
-                hidden, kv = self.model.forward_hidden(params, self.model_cfg, tok[:, None], meta, kv)
-                logits = self.model.logits_from_hidden(params, hidden[:, 0], self.matmul_impl, self.cfg.interpret)
+            logits, kv = self._forward_one(params, kv, tok, pos, inp.alloc, inp.block_tables)
             with jax.named_scope("sample"):
                 out = sample(logits, sampling.replace(counters=sampling.counters + i, history=hist))
             hist = hist.at[rows, pos + 1].set(out.tokens, mode="drop")
@@ -330,9 +361,17 @@ class ModelRunner:
             return params, kv, inp, samp, sds((self.max_decode_steps, self.chain_rows), i32), sds((), i32)
         return params, kv, inp, samp
 
+    def _label(self, key: tuple[int, int, int]) -> str:
+        B, T, P = key
+        return f"decode B={B} P={P}" if T == 0 else f"verify B={B} T={-T} P={P}" if T < 0 \
+            else f"prefill B={B} T={T} P={P}"
+
     def _compile(self, key: tuple[int, int, int]):
         fn = self._jitted_decode if key[1] == 0 else self._jitted_verify if key[1] < 0 else self._jitted
-        return fn.lower(*self._abstract_args(*key)).compile()
+        args = self._abstract_args(*key)
+        if key[1] < 0 and self.judges_drafts:  # a draft model's distributions [B, k, V]
+            args += (jax.ShapeDtypeStruct((key[0], -key[1] - 1, self.model_cfg.vocab_size), jnp.float32),)
+        return fn.lower(*args).compile()
 
     def warmup(self) -> float:
         """Compile every bucket ahead of time; returns the seconds it took."""
@@ -342,9 +381,7 @@ class ModelRunner:
                 continue
             t0 = time.perf_counter()
             self._executables[key] = self._compile(key)
-            log.info("compiled %s in %.2fs", "decode B=%d P=%d" % (key[0], key[2]) if key[1] == 0
-                     else "verify B=%d T=%d P=%d" % (key[0], -key[1], key[2]) if key[1] < 0
-                     else "prefill B=%d T=%d P=%d" % key, time.perf_counter() - t0)
+            log.info("compiled %s in %.2fs", self._label(key), time.perf_counter() - t0)
         if self.swap_enabled:
             for n in self.swap_buckets:
                 self._copy_executable("out", n)
@@ -454,10 +491,12 @@ class ModelRunner:
                                                                         chain_in, np.int32(k))
         return Launched(items, True, k, out, valid, chain_tokens)
 
-    def launch_verify(self, items: list[ScheduledItem], drafts: list[list[int]]) -> Launched:
+    def launch_verify(self, items: list[ScheduledItem], drafts: list[list[int]], draft_probs=None) -> Launched:
         """Dispatch a verify call: row i feeds its last token (position items[i].start) and then
         drafts[i], which must fit in the pages the sequence holds; rows with fewer drafts than
-        the call's width are padded with tokens that write nothing and are never kept."""
+        the call's width are padded with tokens that write nothing and are never kept.
+        draft_probs [B, k, V] (a draft model's, on the device, rows as the call's): required
+        with method "draft", whose drafts are judged by rejection sampling."""
         n, ps, T = len(items), self.page_size, self.verify_width
         k = T - 1
         B = _bucket(n, self.verify_batches)
@@ -483,7 +522,8 @@ class ModelRunner:
                          context_lens=ctx, last_index=np.zeros(B, np.int32))
         samp = self._sampling_arrays(items, B, P * ps, [it.seq.num_tokens for it in items])
         with jax.profiler.TraceAnnotation("jaxserve.verify", seqs=n):
-            out, self.kv_cache = self.executable((B, -T, P))(self.params, self.kv_cache, inp, samp)
+            extra = (draft_probs,) if self.judges_drafts else ()
+            out, self.kv_cache = self.executable((B, -T, P))(self.params, self.kv_cache, inp, samp, *extra)
         return Launched(items, True, T, out, None, None, draft_ids, num_drafts)
 
     def _host_arrays(self, items: list[ScheduledItem], B: int, T: int, P: int):

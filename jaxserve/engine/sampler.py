@@ -111,17 +111,48 @@ def _filter_threshold(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
     return jnp.min(jnp.where(jnp.isfinite(vals), vals, jnp.inf), axis=-1)
 
 
-def _sampled_tokens(logits: jax.Array, s: SamplingArrays, greedy: jax.Array) -> jax.Array:
-    """Rows with temperature > 0 draw from their filtered distribution; the rest keep `greedy`."""
+def _filtered(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Penalised logits [B, V] -> temperature-scaled logits with what top-k / top-p / min-p
+    drop set to -inf: the log of each sampled row's distribution, up to a constant."""
     B, V = logits.shape
     scaled = logits / jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     needs_filter = (s.temperature > 0) & ((s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0))
     threshold = jax.lax.cond(needs_filter.any(), _filter_threshold,
                              lambda x, _: jnp.full((B,), NEG_INF, x.dtype), scaled, s)
-    keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(s.seeds, s.counters)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
-    candidates = jnp.where(scaled >= threshold[:, None], scaled + gumbel, NEG_INF)
+    return jnp.where(scaled >= threshold[:, None], scaled, NEG_INF)
+
+
+def gumbel_noise(s: SamplingArrays, V: int, stream: int = 0) -> jax.Array:
+    """[B, V] noise of row b from fold_in(key(seed_b), counter_b); streams other than 0 (a
+    draft model's, speculative decoding's acceptance test) fold in the stream number too,
+    so they are independent of the noise that picks the row's token."""
+    def one(seed, n):
+        key = jax.random.fold_in(jax.random.key(seed), n)
+        return jax.random.gumbel(jax.random.fold_in(key, stream) if stream else key, (V,), jnp.float32)
+
+    return jax.vmap(one)(s.seeds, s.counters)
+
+
+def uniform_noise(s: SamplingArrays, stream: int) -> jax.Array:
+    """[B] uniform in [0, 1) of row b, from its seed, counter and a stream (see gumbel_noise)."""
+    return jax.vmap(lambda seed, n: jax.random.uniform(
+        jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), n), stream)))(s.seeds, s.counters)
+
+
+def _sampled_tokens(logits: jax.Array, s: SamplingArrays, greedy: jax.Array) -> jax.Array:
+    """Rows with temperature > 0 draw from their filtered distribution; the rest keep `greedy`."""
+    candidates = _filtered(logits, s) + gumbel_noise(s, logits.shape[1])
     return jnp.where(s.temperature > 0, argmax(candidates), greedy)
+
+
+def probabilities(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """logits [B, V] -> [B, V] the distribution `sample` draws row b's token from: after the
+    penalties, the bias, the temperature and the filters; one-hot at the argmax of a greedy
+    row. Speculative decoding with a draft model compares two of these (engine/speculative.py)."""
+    logits = jax.lax.cond(_penalised(s).any(), apply_penalties, lambda x, _: x, logits, s)
+    logits = jax.lax.cond(_biased(s).any(), apply_logit_bias, lambda x, _: x, logits, s)
+    one_hot = jax.nn.one_hot(argmax(logits), logits.shape[1], dtype=jnp.float32)
+    return jnp.where(s.temperature[:, None] > 0, jax.nn.softmax(_filtered(logits, s), axis=-1), one_hot)
 
 
 def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
