@@ -157,10 +157,10 @@ def serve_configs(args):
     engine = dataclasses.replace(engine, **eng)
     if not server.models:
         raise ConfigError("no model to serve: give --model DIR or [[server.models]] in --config")
-    for m in server.models:
-        if not (Path(m.path) / "config.json").is_file():
-            raise ConfigError(f"{m.path}: not a converted model directory (no config.json); "
-                              "see `jaxserve convert`")
+    draft = engine.speculative.draft_model if engine.speculative.method == "draft" else None
+    for path in [m.path for m in server.models] + ([draft] if draft else []):
+        if not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"{path}: not a converted model directory (no config.json); see `jaxserve convert`")
     return server, engine
 
 
@@ -233,9 +233,14 @@ def _cmd_bench(args) -> int:
 
 
 def _speculative_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative-method", choices=("ngram",),
-                   help="speculative decoding: ngram proposes tokens by prompt lookup (default: off)")
+    p.add_argument("--speculative-method", choices=("ngram", "draft"),
+                   help="speculative decoding: ngram proposes tokens by prompt lookup, draft by a smaller model "
+                        "(--draft-model) (default: off)")
     p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="tokens proposed per step (default 8)")
+    p.add_argument("--ngram-min", type=int, metavar="N", help="shortest n-gram prompt lookup matches (default 2)")
+    p.add_argument("--ngram-max", type=int, metavar="N", help="longest n-gram prompt lookup matches (default 4)")
+    p.add_argument("--draft-model", metavar="DIR",
+                   help="a converted model directory with the target's tokenizer (--speculative-method draft)")
     p.add_argument("--speculative-disable-above-batch-size", type=int, metavar="N",
                    help="decode plainly when more sequences than this run (default 4)")
 
@@ -244,6 +249,8 @@ def _speculative_options(args) -> dict:
     """[engine.speculative] keys given on the command line."""
     return {k: v for k, v in (("method", args.speculative_method),
                               ("num_speculative_tokens", args.num_speculative_tokens),
+                              ("ngram_min", args.ngram_min), ("ngram_max", args.ngram_max),
+                              ("draft_model", args.draft_model),
                               ("disable_above_batch_size", args.speculative_disable_above_batch_size))
             if v is not None}
 

@@ -174,20 +174,24 @@ class SpeculativeConfig:
 
     "ngram" proposes, for each running sequence, the `num_speculative_tokens` tokens that
     followed the latest earlier occurrence of its last n tokens (n from ngram_max down to
-    ngram_min) in its own prompt and output; one verify step scores them all and keeps the
-    prefix the target model agrees with. Above `disable_above_batch_size` running sequences
+    ngram_min) in its own prompt and output; "draft" has a smaller model (`draft_model`, a
+    converted model directory with the same vocabulary) draw them (engine/draft.py). One
+    verify step scores them all and keeps the prefix the target model accepts. Above `disable_above_batch_size` running sequences
     a step is compute-bound and verification costs more than it saves: plain decode runs.
     """
 
-    method: str | None = None  # None | "ngram"
+    method: str | None = None  # None | "ngram" | "draft"
     num_speculative_tokens: int = 8  # why 8 and not 4: BENCHMARKS.md, "Speculative decoding"
     ngram_min: int = 2
     ngram_max: int = 4
+    draft_model: str | None = None  # a model directory with the target's tokenizer (method "draft")
     disable_above_batch_size: int = 4
 
     def __post_init__(self):
-        if self.method not in (None, "ngram"):
-            raise ConfigError(f"speculative method must be ngram (or unset), got {self.method!r}")
+        if self.method not in (None, "ngram", "draft"):
+            raise ConfigError(f"speculative method must be ngram or draft (or unset), got {self.method!r}")
+        if self.method == "draft" and not self.draft_model:
+            raise ConfigError("speculative method \"draft\" needs draft_model (a converted model directory)")
         if self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -47,6 +47,7 @@ from jaxserve.checkpoint.load import load_model
 from jaxserve.checkpoint.quantize import quantize_at_load
 from jaxserve.config import EngineConfig
 from jaxserve.engine import faults
+from jaxserve.engine.draft import DraftRunner
 from jaxserve.engine.pages import PagePool, kv_bytes_per_page, pages_for_budget
 from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.limits import RequestLimits
@@ -83,9 +84,14 @@ class Engine:
         self.model_cfg, params = load_model(model_dir, dtype=config.dtype)
         params = quantize_at_load(params, config.quantization)
         max_len = min(config.max_model_len, self.model_cfg.max_position_embeddings)
+        itemsize = 4 if config.dtype == "float32" else 2
         page_bytes = kv_bytes_per_page(self.model_cfg.num_layers, config.page_size, self.model_cfg.num_kv_heads,
-                                       self.model_cfg.head_dim, 4 if config.dtype == "float32" else 2)
-        num_pages = config.num_pages or pages_for_budget(kv_budget_bytes(config), page_bytes)
+                                       self.model_cfg.head_dim, itemsize)
+        draft = self._load_draft(config) if config.speculative.method == "draft" else None
+        # A draft model's cache has the same pages (engine/draft.py): the budget pays for both.
+        draft_page_bytes = 0 if draft is None else kv_bytes_per_page(
+            draft[0].num_layers, config.page_size, draft[0].num_kv_heads, draft[0].head_dim, itemsize)
+        num_pages = config.num_pages or pages_for_budget(kv_budget_bytes(config), page_bytes + draft_page_bytes)
         if num_pages < 1:
             raise ValueError("the KV cache budget holds no page; raise kv_cache_memory_gib")
         self.config = dataclasses.replace(config, max_model_len=max_len)
@@ -95,6 +101,7 @@ class Engine:
         self.cache = PrefixCache(self.pool, f"{self.model_dir.resolve()}|{config.dtype}|{config.quantization}") \
             if config.enable_prefix_caching else None
         self.runner = ModelRunner(self.model_cfg, params, self.config, num_pages)
+        self.draft = None if draft is None else DraftRunner(*draft, self.config, num_pages, self.runner.verify_batches)
         max_chunk = self.config.prefill_length_buckets[-1]
         budget = self.config.prefill_token_budget or max(self.runner.prefill_batches) * max_chunk
         self.scheduler = Scheduler(SchedulerConfig(
@@ -117,8 +124,22 @@ class Engine:
         self.spec_counts: tuple[int, int, int] = (0, 0, 0)
         self._inflight_started = 0.0
         self.compile_seconds = self.runner.warmup() if warmup else 0.0
+        if warmup and self.draft is not None:
+            self.compile_seconds += self.draft.warmup()
         log.info("engine ready: %d pages of %d tokens, max_model_len %d, max_num_seqs %d",
                  num_pages, config.page_size, max_len, self.config.max_num_seqs)
+
+    def _load_draft(self, config: EngineConfig) -> tuple:
+        """(ModelConfig, params) of the draft model, which must share the target's vocabulary."""
+        path = Path(config.speculative.draft_model)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"draft_model {str(path)!r} is not a model directory (no config.json); "
+                             "convert one with `jaxserve convert`")
+        cfg, params = load_model(path, dtype=config.dtype)
+        if cfg.vocab_size != self.model_cfg.vocab_size:
+            raise ValueError(f"the draft model's vocabulary has {cfg.vocab_size} tokens and the target's "
+                             f"{self.model_cfg.vocab_size}: a draft model must use the target's tokenizer")
+        return cfg, quantize_at_load(params, config.quantization)
 
     @staticmethod
     def swap_pages_for(config: EngineConfig, page_bytes: int) -> int:
@@ -272,9 +293,9 @@ class Engine:
                     if self.metrics is not None:
                         self.metrics.scheduled(it.seq, started)
             faults.check_step(it.seq.request_id for it in batch.items)
-            drafts = self._drafts(batch.items) if batch.decode else None
-            if drafts is not None:  # speculative: one verify call, read before the next step
-                return self._complete(self.runner.launch_verify(batch.items, drafts), started)
+            proposal = self._drafts(batch.items) if batch.decode else None
+            if proposal is not None:  # speculative: one verify call, read before the next step
+                return self._complete(self.runner.launch_verify(batch.items, *proposal), started)
             steady = batch.decode and self._only_decoding()
             k = self.config.decode_steps if steady else 1
             if k > 1:  # pages for the whole call where the pool has them; the rest is not valid
@@ -288,23 +309,37 @@ class Engine:
             return []
         return self._complete(launched, started)
 
-    def _drafts(self, items: list[ScheduledItem]) -> list[list[int]] | None:
-        """Each decoding sequence's n-gram proposal, or None when this step should decode plainly
-        (speculation off, too many sequences for it to pay, or nothing proposed). A proposal is
-        cut to what the sequence may still generate and to the pages the pool can give it."""
+    def _drafts(self, items: list[ScheduledItem]) -> tuple[list[list[int]], object] | None:
+        """Each decoding sequence's proposal and, with a draft model, the distributions it was
+        drawn from (on the device); None when this step should decode plainly (speculation off,
+        too many sequences for it to pay, or nothing proposed). A proposal is cut to what the
+        sequence may still generate and to the pages the pool can give it."""
         spec = self.config.speculative
         if not spec.enabled or len(items) > spec.disable_above_batch_size:
             return None
-        drafts = []
+        rooms = []
         for it in items:
             seq = it.seq
             room = min(spec.num_speculative_tokens, self.config.max_model_len - seq.num_tokens,
-                       seq.params.max_tokens - len(seq.output_ids) - 1)
-            d = propose(seq.tokens, room, spec.ngram_min, spec.ngram_max) if seq.params.speculative else []
-            if d and not self.pool.grow(seq.pages, seq.num_tokens + len(d)):
-                d = d[:max(0, len(seq.pages) * self.pool.page_size - seq.num_tokens)]
-            drafts.append(d)
-        return drafts if any(drafts) else None
+                       seq.params.max_tokens - len(seq.output_ids) - 1) if seq.params.speculative else 0
+            rooms.append(max(room, 0))
+        if spec.method == "ngram":
+            drafts = [propose(it.seq.tokens, r, spec.ngram_min, spec.ngram_max) if r else []
+                      for it, r in zip(items, rooms)]
+            drafts = [d[:self._fit(it.seq, len(d))] for it, d in zip(items, drafts)]
+            return (drafts, None) if any(drafts) else None
+        rooms = [self._fit(it.seq, r) for it, r in zip(items, rooms)]
+        if not any(rooms):
+            return None
+        drafts, q = self.draft.propose(items, [r > 0 for r in rooms])
+        return [d[:r].tolist() for d, r in zip(drafts, rooms)], q
+
+    def _fit(self, seq: Sequence, n: int) -> int:
+        """How many of n tokens past its end the sequence's pages can hold, growing them where
+        the pool allows."""
+        if n and not self.pool.grow(seq.pages, seq.num_tokens + n):
+            n = min(n, max(0, len(seq.pages) * self.pool.page_size - seq.num_tokens))
+        return n
 
     def _fail(self, items: list[ScheduledItem], extra: list[Sequence], e: Exception) -> list[TokenEvent]:
         seqs = list({id(s): s for s in [it.seq for it in items] + extra}.values())

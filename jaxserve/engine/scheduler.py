@@ -157,6 +157,7 @@ class Scheduler:
             self.cache.commit(seq)
         self.pool.release(seq.pages)
         seq.num_indexed_pages = 0
+        seq.draft_computed, seq.draft_fed = 0, []  # a draft model's cache of it went with the pages
 
     def _mode_for(self, seq: Sequence) -> str:
         mode = self.cfg.preemption_mode

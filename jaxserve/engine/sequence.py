@@ -140,6 +140,10 @@ class Sequence:
         self.page_hashes: list[bytes] = []  # chain hash of each full page of tokens, as far as computed
         self.num_indexed_pages = 0  # leading pages of `pages` that are in the prefix index
         self.cached_tokens: int | None = None  # prompt tokens found cached at its first admission
+        # Speculative decoding with a draft model (engine/draft.py): the draft's cache holds
+        # positions < draft_computed, and the drafts fed after them if they became the tokens.
+        self.draft_computed = 0
+        self.draft_fed: list[int] = []
         # time.monotonic() of the first step it was in, its first and its latest token (metrics)
         self.scheduled_at: float | None = None
         self.first_token_at: float | None = None
