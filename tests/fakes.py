@@ -10,13 +10,14 @@ from pathlib import Path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def make_tiny_model(dst: Path, tokenizer_dir: Path, seed: int = 0, quantize: str | None = None) -> Path:
+def make_tiny_model(dst: Path, tokenizer_dir: Path, seed: int = 0, quantize: str | None = None,
+                    vocab_size: int = 49152) -> Path:
     import torch
     import transformers
 
     from jaxserve.checkpoint.convert import convert
 
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                    initializer_range=0.2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
