@@ -54,7 +54,7 @@ def _cmd_generate_batch(args) -> int:
     entries = _read_prompts(args.prompts_file)
     spec = _speculative_options(args)
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
-              speculative=spec)
+              speculative=spec, kv_cache_dtype=args.kv_cache_dtype or "auto")
     tok = llm.tokenizer
     prompts, params = [], []
     try:
@@ -141,7 +141,8 @@ def serve_configs(args):
                              ("kv_cache_memory_gib", args.kv_cache_memory),
                              ("kv_cache_memory_fraction", args.kv_cache_memory_fraction),
                              ("quantization", args.quantization), ("decode_steps", args.decode_steps),
-                             ("overlap", args.overlap), ("enable_prefix_caching", args.enable_prefix_caching))
+                             ("overlap", args.overlap), ("enable_prefix_caching", args.enable_prefix_caching),
+                             ("kv_cache_dtype", args.kv_cache_dtype))
            if v is not None}
     spec = _speculative_options(args)
     if spec:
@@ -232,6 +233,12 @@ def _cmd_bench(args) -> int:
     return main(args)
 
 
+def _kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8_e4m3", "fp8_e5m2"),
+                   help="KV cache storage: auto (the model's dtype), int8 (scale per token and KV head) or fp8 "
+                        "(--prompts-file and serve; default auto)")
+
+
 def _speculative_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-method", choices=("ngram", "draft"),
                    help="speculative decoding: ngram proposes tokens by prompt lookup, draft by a smaller model "
@@ -242,7 +249,7 @@ def _speculative_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", metavar="DIR",
                    help="a converted model directory with the target's tokenizer (--speculative-method draft)")
     p.add_argument("--speculative-disable-above-batch-size", type=int, metavar="N",
-                   help="decode plainly when more sequences than this run (default 4)")
+                   help="decode plainly when more sequences than this run (default 2)")
 
 
 def _speculative_options(args) -> dict:
@@ -275,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="--prompts-file: reuse the KV pages of shared prompt prefixes (default: on)")
+    _kv_cache_dtype_argument(g)
     _speculative_arguments(g)
     g.add_argument("--model", required=True, help="converted model directory")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -304,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="launch the next decode call before reading the last one (default: on)")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV pages of prompt prefixes computed before (default: on)")
+    _kv_cache_dtype_argument(s)
     _speculative_arguments(s)
     s.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: one JSON object per line, each with its request_id")

@@ -36,6 +36,7 @@ from bench_compare import bench_once, start_server, stop, write_benchmarks_md  #
 
 from jaxserve.bench import report  # noqa: E402
 from jaxserve.bench.machine import describe  # noqa: E402
+from jaxserve.config import SpeculativeConfig  # noqa: E402
 
 START, END = "<!-- bench-speculative:start -->", "<!-- bench-speculative:end -->"
 ON, OFF, LLAMA = "jaxserve, ngram speculation", "jaxserve, no speculation", "llama-server"
@@ -132,7 +133,7 @@ def markdown(machine: dict, single: dict, heavy: dict, accept: dict, commands: d
                      f"verified drafts, {drafted:.0f} draft tokens, {100 * rate:.1f} % accepted.")
     if heavy:
         lines += ["", "Ordinary load: 256-token prompts, 128 out, concurrency 64 (speculation turns itself off "
-                  "above 4 running sequences):", "",
+                  f"above {SpeculativeConfig().disable_above_batch_size} running sequences):", "",
                   "| server | output tok/s | TPOT p50 (ms) |", "| --- | ---: | ---: |"]
         for label, r in heavy.items():
             lines.append(f"| {label} | {r['output_throughput']:.1f} | {r['tpot']['p50'] * ms:.1f} |")
