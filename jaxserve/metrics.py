@@ -161,6 +161,9 @@ class StateCollector(Collector):
                                labels=["model_name"])
         pages = GaugeMetricFamily("jaxserve:kv_cache_pages", "KV cache pages by state.",
                                   labels=["model_name", "state"])
+        capacity = GaugeMetricFamily("jaxserve:kv_cache_capacity_tokens",
+                                     "Tokens the KV cache holds, and how it stores them (kv_cache_dtype).",
+                                     labels=["model_name", "kv_cache_dtype"])
         swap = GaugeMetricFamily("jaxserve:swap_space_bytes_used", "Host swap space holding preempted KV.",
                                  labels=["model_name"])
         preempt = CounterMetricFamily("vllm:num_preemptions", "Preemptions, all modes.", labels=["model_name"])
@@ -184,6 +187,7 @@ class StateCollector(Collector):
             pages.add_metric([name, "used"], st["pages_used"])
             pages.add_metric([name, "cached"], st["pages_cached"])  # held by no one, kept for reuse
             pages.add_metric([name, "free"], st["pages_total"] - st["pages_used"] - st["pages_cached"])
+            capacity.add_metric([name, engine.config.kv_cache_dtype], engine.pool.num_tokens)
             if st["prefix_cache"] is not None:
                 queries.add_metric([name], st["prefix_cache"]["queries"])
                 hits.add_metric([name], st["prefix_cache"]["hits"])
@@ -197,7 +201,7 @@ class StateCollector(Collector):
                                        labels=["reason"])
         for reason, n in sorted(self.rejections().items()):
             rejected.add_metric([reason], n)
-        yield from (running, waiting, swapped, kv, pages, swap, preempt, by_mode, queries, hits, compiled, executables,
+        yield from (running, waiting, swapped, kv, pages, capacity, swap, preempt, by_mode, queries, hits, compiled, executables,
                     rejected)
         yield from _device_memory()
         yield from _nvml()

@@ -83,3 +83,31 @@ class ReferenceGenerator:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
         return list(self.stream(prompt_ids, max_new_tokens, **kwargs))
+
+
+def paged_logits(params, cfg: ModelConfig, tokens: list[int], kv_cache_dtype: str = "auto", dtype: str = "float32",
+                 page_size: int = 16) -> np.ndarray:
+    """Teacher-forced logits [T, V] of one sequence through the paged path, as the engine runs it:
+    every key and value is written to a KV cache stored as `kv_cache_dtype` and read back from
+    it (quantized, for int8 / fp8) before attention. One prefill over the whole sequence,
+    padded to a multiple of 256 tokens (padding writes nothing) so few lengths compile."""
+    from jaxserve.layers.attention import init_kv_cache
+
+    n = len(tokens)
+    T = -(-n // 256) * 256
+    num_pages = -(-T // page_size)
+    kv = init_kv_cache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype)
+    pos = np.arange(T, dtype=np.int32)
+    meta = AttentionMetadata(positions=jnp.asarray(pos[None]), context_lens=jnp.asarray([n], jnp.int32),
+                             slot_mapping=jnp.asarray(np.where(pos < n, pos, num_pages * page_size)[None]),
+                             block_tables=jnp.arange(num_pages, dtype=jnp.int32)[None],
+                             sliding_window=cfg.sliding_window)
+    padded = np.zeros((1, T), np.int32)
+    padded[0, :n] = tokens
+    logits, _ = _paged_forward(family(cfg).forward, params, cfg, jnp.asarray(padded), meta, kv)
+    return np.asarray(logits[0, :n])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _paged_forward(forward, params, cfg, tokens, meta, kv):
+    return forward(params, cfg, tokens, meta, kv)

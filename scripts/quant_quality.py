@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Quality of int8 / int4 weight-only quantization on the default model, and checkpoint sizes.
+"""Quality of int8 / int4 weight-only quantization and of quantized KV caches on the default model,
+and checkpoint sizes.
 
     python scripts/quant_quality.py [--out-dir checkpoints] [--tokens 64]
 
@@ -10,7 +11,9 @@ sequences (one cache-free forward over prompt + continuation) and counts how oft
 top-1 prediction at each continuation position equals the float32 token (W8A8 is the int8
 checkpoint run with int8 activations too; a last row simulates int8 activations per
 32-channel block against the float weights). Prints the
-agreement and the size of each checkpoint's params/ directory.
+agreement and the size of each checkpoint's params/ directory. Then the KV cache rows
+(`kv_rows`): int8 and fp8 KV caches against the float32 cache, on the same sequences and on
+a 1,500-token passage.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import random
 import sys
 from pathlib import Path
 
@@ -150,7 +154,39 @@ def main() -> int:
     minmax = quantize_params(jax.tree.map(np.asarray, ref_params), "int4", 128, refine_steps=0)
     print(f"int4-g128 with min/max scales only: {agreement(minmax, cfg, seqs, args.tokens)}; "
           f"{weight_error(minmax, ref_params)}")
+    kv_rows(ref_params, cfg, seqs, tok, args.tokens)
     return 0
+
+
+def kv_rows(params, cfg, seqs, tok, tokens: int) -> None:
+    """Quantized KV caches against the float32 cache, both through the paged path (every key and
+    value written to the cache and read back): teacher-forced top-1 agreement on the chat
+    prompts' continuations, the largest logit difference there, and a long-context case (a
+    1,500-token passage of documentation and the float model's 64-token continuation), where
+    KV errors add up over many keys."""
+    from jaxserve.bench.dataset import corpus_window, load_tokenizer
+    from jaxserve.reference import paged_logits
+
+    btok = load_tokenizer(DEFAULT_DIR)
+    ids = btok.encode(corpus_window(btok, random.Random(0), 1500), add_special_tokens=False).ids
+    gen = ReferenceGenerator(cfg, params, max_len=len(ids) + tokens)
+    long = [(ids, list(gen.stream(ids, tokens, temperature=0.0, seed=0, stop_ids=())))]
+    for case, group in (("chat prompts", seqs), ("1,500-token passage", long)):
+        refs = [paged_logits(params, cfg, i + o) for i, o in group]
+        for kv in ("int8", "fp8_e4m3", "fp8_e5m2"):
+            agree = total = every = every_total = 0
+            worst = 0.0
+            for (i, o), ref in zip(group, refs):
+                got = paged_logits(params, cfg, i + o, kv)
+                tail = slice(len(i) - 1, len(i) - 1 + len(o))
+                agree += int(np.sum(got[tail].argmax(-1) == ref[tail].argmax(-1)))
+                total += len(o)
+                every += int(np.sum(got[:-1].argmax(-1) == ref[:-1].argmax(-1)))
+                every_total += len(i) + len(o) - 1
+                worst = max(worst, float(np.abs(got[tail] - ref[tail]).max()))
+            print(f"KV cache {kv}, {case}: top-1 agreement with the float32 cache {agree / total:.1%} "
+                  f"({agree}/{total} continuation tokens), {every / every_total:.1%} over every position "
+                  f"({every_total}); largest logit difference {worst:.3f}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.layers.attention import quantize_int8
 from pallas_kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from pallas_kernels.paged_attention.ref import paged_attention_ref
 from pallas_kernels.quantized_matmul import (int4_matmul, int4_matmul_ref, int8_matmul, int8_matmul_ref,
@@ -27,13 +28,6 @@ from pallas_kernels.quantized_matmul import (int4_matmul, int4_matmul_ref, int8_
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 # On a GPU (scripts/device_check.sh) PALLAS_INTERPRET=0 runs the same cases compiled.
 INTERPRET = os.environ.get("PALLAS_INTERPRET", "1") != "0"
-
-
-def quantize_kv(x):
-    """[..., D] float -> int8 and per-token scales [...], as an int8 KV cache stores them."""
-    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
-    scale = jnp.where(scale == 0, 1.0, scale)
-    return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale.astype(jnp.float32)
 
 
 def make_cache(seed, lengths, PS, K, D, dtype, int8, L=2, spare_pages=3):
@@ -47,8 +41,8 @@ def make_cache(seed, lengths, PS, K, D, dtype, int8, L=2, spare_pages=3):
     tables = jnp.asarray(rng.permutation(NP)[: B * P].reshape(B, P), jnp.int32)
     ks = vs = None
     if int8:
-        k, ks = quantize_kv(k.astype(jnp.float32))
-        v, vs = quantize_kv(v.astype(jnp.float32))
+        k, ks = quantize_int8(k)  # the engine's int8 pages: float16 scales per token and KV head
+        v, vs = quantize_int8(v)
     return k, v, ks, vs, tables
 
 
@@ -222,9 +216,14 @@ def test_kernels_lower_for_cuda(name):
     _lower_cuda(lambda q, k, v, bt, n, pos: paged_prefill_attention(q, k, v, bt, n, pos, 3),
                 sds((4, T, Hq, D), f32), cache, cache, sds((4, P), i32), sds((4,), i32), sds((4, T), i32))
     q8 = sds((L, NP, PS, K, D), jnp.int8)
-    sc = sds((L, NP, PS, K), f32)
-    _lower_cuda(lambda q, k, v, bt, n, ks, vs: paged_decode_attention(q, k, v, bt, n, 0, k_scales=ks, v_scales=vs),
-                sds((B, Hq, D), f32), q8, q8, sds((B, P), i32), sds((B,), i32), sc, sc)
+    sc = sds((L, NP, PS, K), jnp.float16)  # an int8 KV cache's pages and scales (layers/attention.py)
+    text = _lower_cuda(
+        lambda q, k, v, bt, n, ks, vs: paged_decode_attention(q, k, v, bt, n, 0, k_scales=ks, v_scales=vs),
+        sds((B, Hq, D), f32), q8, q8, sds((B, P), i32), sds((B,), i32), sc, sc)
+    assert "triton" in text.lower() or "__gpu$xla.gpu.triton" in text
+    _lower_cuda(lambda q, k, v, bt, n, pos, ks, vs: paged_prefill_attention(q, k, v, bt, n, pos, 0, k_scales=ks,
+                                                                            v_scales=vs),
+                sds((4, T, Hq, D), f32), q8, q8, sds((4, P), i32), sds((4,), i32), sds((4, T), i32), sc, sc)
     for M in (1, 64):
         _lower_cuda(int8_matmul, sds((M, hidden), f32), sds((hidden, inter), jnp.int8), sds((inter,), f32))
         g = 64 if hidden % 128 else 128

@@ -5,7 +5,7 @@ generates greedily through the whole engine, prefill and decode steps over the p
 cache, once with attention_impl = matmul_impl = "xla" and once with "pallas" in
 interpret mode; the tokens must be identical. The same for int8 and int4 checkpoints of
 that model (quantized by `convert --quantize`), where "xla" dequantizes inside the dot
-and "pallas" runs the quantized matmul kernels.
+and "pallas" runs the quantized matmul kernels, and for an int8 KV cache.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def small(impl: str) -> dict:
                 attention_impl=impl, matmul_impl=impl, interpret=impl == "pallas")
 
 
-def greedy(model_dir, impl: str) -> list[list[int]]:
-    llm = LLM(model_dir, **small(impl))
+def greedy(model_dir, impl: str, **options) -> list[list[int]]:
+    llm = LLM(model_dir, **small(impl), **options)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert llm.engine.pool.num_used == 0
     return [o.token_ids for o in outs]
@@ -46,6 +46,12 @@ def model_dir(request, tmp_path_factory, default_model_dir):
 def test_pallas_engine_matches_xla(model_dir):
     want = greedy(model_dir, "xla")
     assert greedy(model_dir, "pallas") == want
+
+
+def test_pallas_engine_matches_xla_with_an_int8_kv_cache(tiny_model_dir):
+    """The kernels read the engine's int8 pages and their float16 scales as the XLA path does."""
+    want = greedy(tiny_model_dir, "xla", kv_cache_dtype="int8")
+    assert greedy(tiny_model_dir, "pallas", kv_cache_dtype="int8") == want
 
 
 def test_quantized_checkpoint_layout(model_dir):

@@ -147,6 +147,8 @@ def test_a_shared_prefix_is_reported_cached_and_counted(server, client, model, t
     assert (q2 - q1, h2 - h1) == (len(b_ids), cached)
     pages = {s.labels["state"]: s.value for s in _scrape(server) if s.name == "jaxserve:kv_cache_pages"}
     assert pages["cached"] >= len(b_ids) // 16 and pages["used"] == 0  # both answers' pages stay for reuse
+    capacity = [s for s in _scrape(server) if s.name == "jaxserve:kv_cache_capacity_tokens"]
+    assert capacity[0].labels["kv_cache_dtype"] == "auto" and capacity[0].value == sum(pages.values()) * 16
     salted = chat(client, model, second, max_tokens=2, temperature=0, extra_body={"cache_salt": "tenant-7"})
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
     bad = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": second, "cache_salt": ""})

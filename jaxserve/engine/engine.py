@@ -51,6 +51,7 @@ from jaxserve.engine.draft import DraftRunner
 from jaxserve.engine.pages import PagePool, kv_bytes_per_page, pages_for_budget
 from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.limits import RequestLimits
+from jaxserve.layers.attention import kv_storage
 from jaxserve.engine.runner import Launched, ModelRunner, ScheduledItem, StepResult, enable_compilation_cache
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, by_priority
 from jaxserve.engine.sequence import InvalidRequest, SamplingParams, Sequence, Status, TokenEvent
@@ -84,13 +85,14 @@ class Engine:
         self.model_cfg, params = load_model(model_dir, dtype=config.dtype)
         params = quantize_at_load(params, config.quantization)
         max_len = min(config.max_model_len, self.model_cfg.max_position_embeddings)
-        itemsize = 4 if config.dtype == "float32" else 2
+        store, scale_bytes = kv_storage(config.kv_cache_dtype, config.dtype)
         page_bytes = kv_bytes_per_page(self.model_cfg.num_layers, config.page_size, self.model_cfg.num_kv_heads,
-                                       self.model_cfg.head_dim, itemsize)
+                                       self.model_cfg.head_dim, store.itemsize, scale_bytes)
         draft = self._load_draft(config) if config.speculative.method == "draft" else None
         # A draft model's cache has the same pages (engine/draft.py): the budget pays for both.
         draft_page_bytes = 0 if draft is None else kv_bytes_per_page(
-            draft[0].num_layers, config.page_size, draft[0].num_kv_heads, draft[0].head_dim, itemsize)
+            draft[0].num_layers, config.page_size, draft[0].num_kv_heads, draft[0].head_dim, store.itemsize,
+            scale_bytes)
         num_pages = config.num_pages or pages_for_budget(kv_budget_bytes(config), page_bytes + draft_page_bytes)
         if num_pages < 1:
             raise ValueError("the KV cache budget holds no page; raise kv_cache_memory_gib")
@@ -98,7 +100,8 @@ class Engine:
         self.pool = PagePool(num_pages, config.page_size)
         self.limits = RequestLimits(self.model_cfg.vocab_size, max_len, self.pool.num_tokens)
         # What else makes a page's K/V: the weights (directory, quantization) and the cache dtype.
-        self.cache = PrefixCache(self.pool, f"{self.model_dir.resolve()}|{config.dtype}|{config.quantization}") \
+        self.cache = PrefixCache(self.pool, f"{self.model_dir.resolve()}|{config.dtype}|{config.quantization}|"
+                                            f"{config.kv_cache_dtype}") \
             if config.enable_prefix_caching else None
         self.runner = ModelRunner(self.model_cfg, params, self.config, num_pages)
         self.draft = None if draft is None else DraftRunner(*draft, self.config, num_pages, self.runner.verify_batches)
@@ -126,8 +129,10 @@ class Engine:
         self.compile_seconds = self.runner.warmup() if warmup else 0.0
         if warmup and self.draft is not None:
             self.compile_seconds += self.draft.warmup()
-        log.info("engine ready: %d pages of %d tokens, max_model_len %d, max_num_seqs %d",
-                 num_pages, config.page_size, max_len, self.config.max_num_seqs)
+        log.info("engine ready: %d pages of %d tokens (%d tokens of KV cache, %s, %.1f KiB a page), "
+                 "max_model_len %d, max_num_seqs %d", num_pages, config.page_size, self.pool.num_tokens,
+                 config.kv_cache_dtype if config.kv_cache_dtype != "auto" else config.dtype,
+                 (page_bytes + draft_page_bytes) / 1024, max_len, self.config.max_num_seqs)
 
     def _load_draft(self, config: EngineConfig) -> tuple:
         """(ModelConfig, params) of the draft model, which must share the target's vocabulary."""

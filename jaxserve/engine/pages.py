@@ -33,9 +33,11 @@ class OutOfPages(RuntimeError):
     """More pages were asked for than are free; callers check `can_allocate` first."""
 
 
-def kv_bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """K and V for one page over all layers."""
-    return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype_bytes
+def kv_bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                      scale_bytes: int = 0) -> int:
+    """K and V for one page over all layers, with `scale_bytes` per token and KV head of each
+    (an int8 cache's scales)."""
+    return 2 * num_layers * page_size * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)
 
 
 def pages_for_budget(budget_bytes: int, bytes_per_page: int) -> int:

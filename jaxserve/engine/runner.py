@@ -48,7 +48,7 @@ from jaxserve.engine.sampler import (NUM_TOP_LOGPROBS, SampleOutput, SamplingArr
                                      sample, uniform_noise)
 from jaxserve.engine.sequence import SamplingParams, Sequence
 from jaxserve.engine.speculative import ACCEPT_STREAM, accept_drafts, accepted_lengths
-from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.layers.attention import AttentionMetadata, init_kv_cache
 from jaxserve.layers.linear import resolve as resolve_impl
 from jaxserve.models import family
 
@@ -170,9 +170,9 @@ class ModelRunner:
         self.decode_batches = tuple(b for b in cfg.decode_batch_buckets if b < cfg.max_num_seqs) + (cfg.max_num_seqs,)
         self.prefill_batches = tuple(b for b in cfg.prefill_batch_buckets if b <= cfg.max_num_seqs)
         self.prefill_lengths = cfg.prefill_length_buckets
-        dtype = jnp.dtype(cfg.dtype)
-        shape = (model_cfg.num_layers, num_pages, cfg.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        self.kv_cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        # (k, v) [L, NP, PS, K, D], and for an int8 cache (k_scale, v_scale) [L, NP, PS, K]
+        self.kv_cache = init_kv_cache(model_cfg.num_layers, num_pages, cfg.page_size, model_cfg.num_kv_heads,
+                                      model_cfg.head_dim, cfg.dtype, cfg.kv_cache_dtype)
         self._jitted = jax.jit(self._step, donate_argnums=(1,))
         self._jitted_decode = jax.jit(self._decode_step, donate_argnums=(1,))
         self._jitted_verify = jax.jit(self._verify_step, donate_argnums=(1,))

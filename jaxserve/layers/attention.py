@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 MASK_VALUE = -1e30
@@ -42,30 +43,118 @@ class AttentionMetadata:
     interpret: bool = struct.field(pytree_node=False, default=False)
 
 
-def write_kv(cache: jax.Array, layer: jax.Array, slot_mapping: jax.Array, new: jax.Array) -> jax.Array:
-    """Scatter this step's keys or values into one layer of the cache.
+# KV cache storage (`[engine] kv_cache_dtype`): "auto" keeps K/V in the model's dtype, a
+# cache (k, v). "int8" stores them as int8 with a scale per token and KV head, written with
+# the token (a cache (k, v, k_scale, v_scale), scales [L, NP, PS, K] float16 beside the pages,
+# so a page is self-contained: swap and prefix caching move its scales with it). fp8 stores
+# them as float8 with one scale for the whole cache (FP8_KV_SCALE), a cache (k, v). Both
+# quantized kinds store keys rotated by a Hadamard matrix (`rotate`).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+SCALE_DTYPE = jnp.float16
+MIN_SCALE = 2.0 ** -14  # float16's smallest normal: an all-zero token keeps a finite scale
+FP8_KV_SCALE = 1.0  # K/V values are stored as x / scale; 1.0 keeps them (|x| < 448 in e4m3)
 
-    cache [L, NP, PS, K, D]; new [B, T, K, D]; padding tokens carry a slot past the
-    last page and are dropped, so they never touch a page that some sequence owns.
+
+def kv_storage(kv_cache_dtype: str, dtype: str) -> tuple[jnp.dtype, int]:
+    """(element dtype of the K/V pages, scale bytes per token and KV head) of a cache setting."""
+    if kv_cache_dtype == "int8":
+        return jnp.dtype(jnp.int8), jnp.dtype(SCALE_DTYPE).itemsize
+    if kv_cache_dtype.startswith("fp8"):
+        return jnp.dtype(jnp.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else jnp.float8_e5m2), 0
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return jnp.dtype(dtype), 0
+
+
+def init_kv_cache(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: str,
+                  kv_cache_dtype: str = "auto") -> tuple[jax.Array, ...]:
+    """Zeroed pages: (k, v) [L, NP, PS, K, D], plus (k_scale, v_scale) [L, NP, PS, K] for int8."""
+    store, scale_bytes = kv_storage(kv_cache_dtype, dtype)
+    shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+    pages = (jnp.zeros(shape, store), jnp.zeros(shape, store))  # two buffers: the steps donate both
+    return pages + ((jnp.ones(shape[:-1], SCALE_DTYPE), jnp.ones(shape[:-1], SCALE_DTYPE)) if scale_bytes else ())
+
+
+def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[..., D] -> int8 [..., D] and a symmetric scale [...] (float16) per vector: x ~ q * scale."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    scale = jnp.maximum(amax / 127.0, MIN_SCALE).astype(SCALE_DTYPE)
+    q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale.astype(jnp.float32)[..., None]), -127, 127)
+    return q.astype(jnp.int8), scale
+
+
+def hadamard(D: int) -> np.ndarray | None:
+    """The orthonormal Hadamard matrix [D, D] (Sylvester's construction), None unless D is a power of 2."""
+    if D < 2 or D & (D - 1):
+        return None
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < D:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(D)
+
+
+def rotate(x: jax.Array) -> jax.Array:
+    """x [..., D] @ H: queries and keys of a quantized cache are stored and compared rotated.
+
+    q . k = (q H) . (k H) for an orthonormal H, so the scores are unchanged, and the values
+    are stored as v H with the output rotated back (out H H = out): attention is the same
+    function. But a key's few outlier channels (this model family's keys have some several
+    times larger than the rest) are spread over all D, so a per-token int8 scale fits the
+    whole vector, not its outliers. Measured with fake quantization on the default model
+    (quant_quality.py's prompts, 512 continuation tokens): teacher-forced top-1 agreement
+    with the float cache 98.2 % for int8 K/V without rotation, 99.2 % rotating K, 99.4 %
+    rotating both; fp8 e4m3 93.8 % without, 96.7 % with.
     """
-    B, T, K, D = new.shape
+    h = hadamard(x.shape[-1])
+    if h is None:
+        return x
+    return jnp.matmul(x.astype(jnp.float32), jnp.asarray(h), precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+
+
+def _to_fp8(x: jax.Array, dtype) -> jax.Array:
+    """Saturating cast (float8 e4m3fn has no infinity: an overflow would be NaN)."""
+    top = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / FP8_KV_SCALE, -top, top).astype(dtype)
+
+
+def write_kv(cache: jax.Array, layer: jax.Array, slot_mapping: jax.Array, new: jax.Array) -> jax.Array:
+    """Scatter this step's keys, values or their scales into one layer of the cache.
+
+    cache [L, NP, PS, *E]; new [B, T, *E] (E = (K, D) for K/V, (K,) for scales); padding
+    tokens carry a slot past the last page and are dropped, so they never touch a page that
+    some sequence owns.
+    """
+    B, T = new.shape[:2]
     page_size = cache.shape[2]
     slots = slot_mapping.reshape(B * T)
+    if jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize == 1:
+        new = _to_fp8(new, cache.dtype)
     return cache.at[layer, slots // page_size, slots % page_size].set(
-        new.reshape(B * T, K, D).astype(cache.dtype), mode="drop")
+        new.reshape(B * T, *new.shape[2:]).astype(cache.dtype), mode="drop")
 
 
 def gather_kv(cache: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """Keys or values of each sequence, in order: cache [L, NP, PS, K, D] -> [B, P*PS, K, D].
+    """Pages of each sequence, in order: cache [L, NP, PS, *E] -> [B, P*PS, *E].
 
     The cache is viewed as rows of whole pages [L*NP, PS*K*D] and row layer*NP + page is
     taken (clipped, not bounds-checked per element): one contiguous copy per page. On our
     CPUs the gather alone is ~20 % faster than taking [PS, K, D] blocks out of the layer's
     slice, a batch-64 decode attention ~12 %."""
     B, P = block_tables.shape
-    L, NP, PS, K, D = cache.shape
-    rows = cache.reshape(L * NP, PS * K * D)
-    return jnp.take(rows, block_tables + layer * NP, axis=0, mode="clip").reshape(B, P * PS, K, D)
+    L, NP, PS, *E = cache.shape
+    rows = cache.reshape(L * NP, -1)
+    return jnp.take(rows, block_tables + layer * NP, axis=0, mode="clip").reshape(B, P * PS, *E)
+
+
+def _read_kv(cache: jax.Array, scales: jax.Array | None, layer, block_tables, dtype) -> jax.Array:
+    """A layer's keys or values of each sequence [B, S, K, D] in `dtype`, dequantized."""
+    x = gather_kv(cache, layer, block_tables)
+    if scales is not None:
+        return (x.astype(jnp.float32) * gather_kv(scales, layer, block_tables).astype(jnp.float32)[..., None]
+                ).astype(dtype)
+    if x.dtype.itemsize == 1:  # fp8
+        return (x.astype(jnp.float32) * FP8_KV_SCALE).astype(dtype)
+    return x
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
@@ -123,27 +212,44 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
     if kv_cache is None:
         out = attend(q, k, v, meta.positions, meta.positions, meta.context_lens, meta.sliding_window)
         return out, None
-    k_cache, v_cache = kv_cache
+    k_cache, v_cache, *scales = kv_cache
+    rotated = k_cache.dtype.itemsize == 1  # a quantized cache keeps keys and values rotated (`rotate`)
+    if rotated:
+        q, k, v = rotate(q), rotate(k), rotate(v)
+    if scales:  # int8: quantize per token and KV head as the token is written
+        (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
+        scales = [write_kv(scales[0], layer, meta.slot_mapping, k_scale),
+                  write_kv(scales[1], layer, meta.slot_mapping, v_scale)]
     k_cache = write_kv(k_cache, layer, meta.slot_mapping, k)
     v_cache = write_kv(v_cache, layer, meta.slot_mapping, v)
+    kv_cache = (k_cache, v_cache, *scales)
     if meta.attention_impl == "pallas":
-        return _pallas_attention(q, k_cache, v_cache, meta, layer), (k_cache, v_cache)
-    keys = gather_kv(k_cache, layer, meta.block_tables)  # [B, S, K, D]
-    values = gather_kv(v_cache, layer, meta.block_tables)
-    B, S = keys.shape[:2]
-    k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
-    impl = attend_one if q.shape[1] == 1 else attend
-    out = impl(q, keys, values, meta.positions, k_pos, meta.context_lens, meta.sliding_window)
-    return out, (k_cache, v_cache)
+        out = _pallas_attention(q, kv_cache, meta, layer)
+    else:
+        k_scales, v_scales = scales or (None, None)
+        keys = _read_kv(k_cache, k_scales, layer, meta.block_tables, q.dtype)  # [B, S, K, D]
+        values = _read_kv(v_cache, v_scales, layer, meta.block_tables, q.dtype)
+        B, S = keys.shape[:2]
+        k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
+        impl = attend_one if q.shape[1] == 1 else attend
+        out = impl(q, keys, values, meta.positions, k_pos, meta.context_lens, meta.sliding_window)
+    return (rotate(out) if rotated else out), kv_cache  # H is symmetric and orthonormal: H H = I
 
 
-def _pallas_attention(q, k_cache, v_cache, meta: AttentionMetadata, layer) -> jax.Array:
-    """The Pallas kernels read K/V through the block tables; nothing is gathered."""
+def _pallas_attention(q, kv_cache, meta: AttentionMetadata, layer) -> jax.Array:
+    """The Pallas kernels read K/V (and int8 scales) through the block tables; nothing is gathered."""
     from pallas_kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
+    k_cache, v_cache, *scales = kv_cache
+    if k_cache.dtype.itemsize == 1 and not scales:
+        raise NotImplementedError("the Pallas attention kernels read float or int8 KV pages, not fp8; "
+                                  "use attention_impl = \"xla\" with an fp8 KV cache")
+    k_scales, v_scales = scales or (None, None)
     if q.shape[1] == 1:
         out = paged_decode_attention(q[:, 0], k_cache, v_cache, meta.block_tables, meta.context_lens, layer,
-                                     sliding_window=meta.sliding_window, interpret=meta.interpret)
+                                     k_scales=k_scales, v_scales=v_scales, sliding_window=meta.sliding_window,
+                                     interpret=meta.interpret)
         return out[:, None]
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.positions, layer,
-                                   sliding_window=meta.sliding_window, interpret=meta.interpret)
+                                   k_scales=k_scales, v_scales=v_scales, sliding_window=meta.sliding_window,
+                                   interpret=meta.interpret)

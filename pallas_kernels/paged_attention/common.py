@@ -20,8 +20,8 @@ def load_page(k_ref, v_ref, scale_refs, layer, page, h):
     v = v_ref[layer, page, :, h, :].astype(jnp.float32)
     if scale_refs:
         ks_ref, vs_ref = scale_refs
-        k = k * ks_ref[layer, page, :, h][:, None]
-        v = v * vs_ref[layer, page, :, h][:, None]
+        k = k * ks_ref[layer, page, :, h].astype(jnp.float32)[:, None]
+        v = v * vs_ref[layer, page, :, h].astype(jnp.float32)[:, None]
     return k, v
 
 

@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""An int8 KV cache against the float cache, under KV memory pressure.
+
+    python scripts/bench_kv_dtype.py [--kv-cache-memory 0.1] [--num-prompts 32]
+
+--num-prompts requests (prompts of --input-len tokens cut from the documentation corpus,
+--output-len tokens out, greedy, EOS ignored) are added at once to the offline engine with
+configs/server.toml's [engine] settings and a KV budget of --kv-cache-memory GiB, small
+enough that the float32 cache cannot hold them all and preempts (by recompute). Once with
+kv_cache_dtype = "auto" (float32) and once with "int8", one after the other in one process;
+prints the tokens each cache holds, preemptions, and output tok/s over the whole run.
+Results: between the bench-kv-dtype markers of BENCHMARKS.md and benchmarks/kv_dtype.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_compare import write_benchmarks_md  # noqa: E402
+
+from jaxserve.bench import report  # noqa: E402
+from jaxserve.bench.dataset import load_tokenizer, synthetic  # noqa: E402
+from jaxserve.bench.machine import describe  # noqa: E402
+from jaxserve.config import load_config_file  # noqa: E402
+from jaxserve.default_model import DEFAULT_DIR  # noqa: E402
+from jaxserve.engine.engine import Engine  # noqa: E402
+from jaxserve.engine.sequence import SamplingParams  # noqa: E402
+
+START, END = "<!-- bench-kv-dtype:start -->", "<!-- bench-kv-dtype:end -->"
+
+
+def run(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    before = engine.scheduler.num_preemptions
+    t0 = time.perf_counter()
+    seqs = [engine.add_request(p, params) for p in prompts]
+    engine.run_until_done()
+    wall = time.perf_counter() - t0
+    out = sum(len(s.output_ids) for s in seqs)
+    return {"output_tokens": out, "seconds": wall, "output_tok_s": out / wall,
+            "preemptions": engine.scheduler.num_preemptions - before, "kv_tokens": engine.pool.num_tokens,
+            "outputs": [s.output_ids for s in seqs]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(DEFAULT_DIR))
+    ap.add_argument("--config", default=str(ROOT / "configs/server.toml"))
+    ap.add_argument("--kv-cache-memory", type=float, default=0.1, metavar="GIB")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--out-dir", default="benchmarks")
+    ap.add_argument("--markdown", default="BENCHMARKS.md")
+    args = ap.parse_args()
+    _, base = load_config_file(args.config)
+    base = dataclasses.replace(base, kv_cache_memory_gib=args.kv_cache_memory, kv_cache_memory_fraction=None)
+    tok = load_tokenizer(args.model)
+    machine, t_all, results = describe(), time.monotonic(), {}
+    for kv in ("auto", "int8"):
+        eng = Engine(args.model, dataclasses.replace(base, kv_cache_dtype=kv))
+        prompts = [eng.tokenizer.encode(p.prompt) for p in synthetic(tok, args.num_prompts, args.input_len,
+                                                                       args.output_len, seed=0)]
+        run(eng, prompts[:2], 16)  # warm
+        results[kv] = run(eng, prompts, args.output_len)
+        r = results[kv]
+        print(f"{kv:5s}: {r['kv_tokens']} KV tokens, {r['preemptions']} preemptions, {r['output_tok_s']:.1f} "
+              f"output tok/s ({r['seconds']:.1f} s)", file=sys.stderr, flush=True)
+        del eng
+    same = sum(a == b for a, b in zip(results["auto"]["outputs"], results["int8"]["outputs"]))
+    for r in results.values():
+        del r["outputs"]
+    wall = time.monotonic() - t_all
+    command = ("python scripts/bench_kv_dtype.py " + " ".join(sys.argv[1:])).strip()
+    out = Path(args.out_dir)
+    out.mkdir(exist_ok=True)
+    report.save_json(out / "kv_dtype.json", {"machine": machine, "results": results, "identical_outputs": same,
+                                            "command": command})
+    f, q = results["auto"], results["int8"]
+    lines = [START, "", "## Quantized KV cache: int8 against float32 under KV pressure (issue 21)", "",
+             f"One run of `{command}` on {time.strftime('%Y-%m-%d')}: {machine['cpu']}, {machine['cores']} cores "
+             f"({wall / 60:.1f} min). Offline engine, configs/server.toml's [engine] (int8 weights) with a "
+             f"{args.kv_cache_memory} GiB KV budget; {args.num_prompts} requests of {args.input_len} prompt tokens "
+             f"and {args.output_len} out (greedy, EOS ignored) added at once.", "",
+             "| KV cache | tokens the budget holds | preemptions | output tok/s |", "| --- | ---: | ---: | ---: |",
+             f"| float32 | {f['kv_tokens']} | {f['preemptions']} | {f['output_tok_s']:.1f} |",
+             f"| int8 | {q['kv_tokens']} | {q['preemptions']} | {q['output_tok_s']:.1f} |", "",
+             f"int8 / float32: **{q['kv_tokens'] / f['kv_tokens']:.2f}x** the tokens, "
+             f"**{q['output_tok_s'] / f['output_tok_s']:.2f}x** the output tok/s; {same} of {args.num_prompts} "
+             "greedy outputs identical to the float cache's.", "", END]
+    write_benchmarks_md("\n".join(lines), Path(args.markdown), START, END)
+    print(f"wrote {args.markdown} and {out}/kv_dtype.json in {wall / 60:.1f} min", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
