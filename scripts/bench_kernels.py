@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pallas_kernels.paged_attention import paged_decode_attention  # noqa: E402
 from pallas_kernels.paged_attention.ref import paged_attention_ref  # noqa: E402
+from jaxserve.layers.attention import quantize_int8 as quantize_kv  # noqa: E402
 from pallas_kernels.quantized_matmul import (int4_matmul, int4_matmul_ref, int8_matmul, int8_matmul_ref,  # noqa: E402
                                              quantize_int4, quantize_int8)
 
@@ -73,6 +74,14 @@ def attention_rows(on_gpu: bool, quick: bool):
                 s = timed(fn, q, k, v, tables, lens)
                 rows.append({"kernel": "decode_attention", "impl": name, "B": B, "ctx": ctx, "ms": s * 1e3,
                              "GBps": nbytes / s / 1e9, "TFLOPs": flops / s / 1e12})
+            if on_gpu:  # the int8 KV cache's pages (float16 scale per token and head) against bf16's
+                (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+                fn = jax.jit(lambda q, k, v, t, n, ks, vs: paged_decode_attention(q, k, v, t, n, 0, k_scales=ks,
+                                                                                    v_scales=vs))
+                s = timed(fn, q, k8, v8, tables, lens, ks, vs)
+                q8_bytes = 2 * B * ctx * K * (D + 2)
+                rows.append({"kernel": "decode_attention", "impl": "pallas-int8-kv", "B": B, "ctx": ctx,
+                             "ms": s * 1e3, "GBps": q8_bytes / s / 1e9, "TFLOPs": flops / s / 1e12})
     return rows
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check (one H200, no network, Python 3.12, jax 0.11 + CUDA 13 plugin there):
-# kernel tests with interpret=False, the kernel benchmark, and end-to-end generation with the
+# kernel tests with interpret=False (float, int8 and fp8 KV pages), the kernel benchmark (decode
+# attention over int8 KV pages against bf16 ones among its rows), and end-to-end generation with the
 # Pallas kernels against XLA at SmolLM2-135M and Llama-3-8B shapes (random weights: no
 # checkpoint is carried). Everything goes to one results file; it should finish in < 8 min.
 #

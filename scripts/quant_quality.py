@@ -111,8 +111,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", default=str(ROOT / "checkpoints"))
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--kv-only", action="store_true", help="only the KV cache rows (no checkpoints converted)")
     args = ap.parse_args()
     ensure_default_model()
+    if args.kv_only:
+        cfg, ref_params = load_model(DEFAULT_DIR)
+        kv_rows(ref_params, cfg, chat_sequences(Tokenizer(DEFAULT_DIR), cfg, ref_params, args.tokens),
+                args.tokens)
+        return 0
     dirs = {"float32": DEFAULT_DIR}
     variants = {"int8": ("int8", 128), "int4-g128": ("int4", 128), "int4-g32": ("int4", 32)}
     for name, (mode, group) in variants.items():
@@ -122,12 +128,7 @@ def main() -> int:
         dirs[name] = d
     tok = Tokenizer(DEFAULT_DIR)
     cfg, ref_params = load_model(DEFAULT_DIR)
-    seqs = []
-    for p in PROMPTS:
-        ids = tok.encode_chat([{"role": "user", "content": p}])
-        gen = ReferenceGenerator(cfg, ref_params, max_len=len(ids) + args.tokens)
-        out = list(gen.stream(ids, args.tokens, temperature=0.0, seed=0, stop_ids=()))
-        seqs.append((ids, out))
+    seqs = chat_sequences(tok, cfg, ref_params, args.tokens)
     f32_mb = size_mb(dirs["float32"] / "params")
     f32_bytes = param_bytes(ref_params)
     print(f"float32: params/ {f32_mb:.0f} MB on disk, {f32_bytes / 1e6:.0f} MB in memory")
@@ -154,11 +155,21 @@ def main() -> int:
     minmax = quantize_params(jax.tree.map(np.asarray, ref_params), "int4", 128, refine_steps=0)
     print(f"int4-g128 with min/max scales only: {agreement(minmax, cfg, seqs, args.tokens)}; "
           f"{weight_error(minmax, ref_params)}")
-    kv_rows(ref_params, cfg, seqs, tok, args.tokens)
+    kv_rows(ref_params, cfg, seqs, args.tokens)
     return 0
 
 
-def kv_rows(params, cfg, seqs, tok, tokens: int) -> None:
+def chat_sequences(tok, cfg, params, tokens: int) -> list[tuple[list[int], list[int]]]:
+    """Each prompt (chat template applied) and the float model's greedy continuation of it."""
+    seqs = []
+    for p in PROMPTS:
+        ids = tok.encode_chat([{"role": "user", "content": p}])
+        gen = ReferenceGenerator(cfg, params, max_len=len(ids) + tokens)
+        seqs.append((ids, list(gen.stream(ids, tokens, temperature=0.0, seed=0, stop_ids=()))))
+    return seqs
+
+
+def kv_rows(params, cfg, seqs, tokens: int) -> None:
     """Quantized KV caches against the float32 cache, both through the paged path (every key and
     value written to the cache and read back): teacher-forced top-1 agreement on the chat
     prompts' continuations, the largest logit difference there, and a long-context case (a

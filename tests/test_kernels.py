@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.layers.attention import quantize_int8
+from jaxserve.layers.attention import quantize_int8 as quantize_kv  # the int8 KV cache's pages and scales
 from pallas_kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from pallas_kernels.paged_attention.ref import paged_attention_ref
 from pallas_kernels.quantized_matmul import (int4_matmul, int4_matmul_ref, int8_matmul, int8_matmul_ref,
@@ -41,8 +41,8 @@ def make_cache(seed, lengths, PS, K, D, dtype, int8, L=2, spare_pages=3):
     tables = jnp.asarray(rng.permutation(NP)[: B * P].reshape(B, P), jnp.int32)
     ks = vs = None
     if int8:
-        k, ks = quantize_int8(k)  # the engine's int8 pages: float16 scales per token and KV head
-        v, vs = quantize_int8(v)
+        k, ks = quantize_kv(k)  # the engine's int8 pages: float16 scales per token and KV head
+        v, vs = quantize_kv(v)
     return k, v, ks, vs, tables
 
 
@@ -89,6 +89,25 @@ def test_decode_kernel_zero_length_rows_give_zeros():
     q = jnp.ones((2, 2, 64), jnp.float32)
     out = paged_decode_attention(q, k, v, tables, jnp.asarray([0, 20], jnp.int32), interpret=INTERPRET)
     assert np.all(np.asarray(out[0]) == 0) and np.all(np.isfinite(np.asarray(out)))
+
+
+@pytest.mark.parametrize("fp8", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_kernels_read_fp8_pages(fp8):
+    """An fp8 KV cache's pages (scale 1): decode and prefill against the reference over the same pages."""
+    lengths = [5, 40]
+    k, v, _, _, tables = make_cache(8, lengths, 16, 2, 64, jnp.float32, False)
+    k, v = k.astype(fp8), v.astype(fp8)
+    rng = np.random.default_rng(3)
+    lens = jnp.asarray(lengths, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+    got = paged_decode_attention(q, k, v, tables, lens, 1, interpret=INTERPRET)
+    want = paged_attention_ref(q[:, None], k, v, tables, lens, (lens - 1)[:, None], layer=1)[:, 0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+    qp = jnp.asarray(rng.standard_normal((2, 5, 4, 64)), jnp.float32)
+    pos = jnp.asarray([[0, 1, 2, 3, 4], [35, 36, 37, 38, 39]], jnp.int32)
+    got = paged_prefill_attention(qp, k, v, tables, lens, pos, 1, interpret=INTERPRET)
+    want = paged_attention_ref(qp, k, v, tables, lens, pos, layer=1)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
 
 
 PREFILL_CASES = [
@@ -224,6 +243,9 @@ def test_kernels_lower_for_cuda(name):
     _lower_cuda(lambda q, k, v, bt, n, pos, ks, vs: paged_prefill_attention(q, k, v, bt, n, pos, 0, k_scales=ks,
                                                                             v_scales=vs),
                 sds((4, T, Hq, D), f32), q8, q8, sds((4, P), i32), sds((4,), i32), sds((4, T), i32), sc, sc)
+    f8 = sds((L, NP, PS, K, D), jnp.float8_e4m3fn)  # an fp8 KV cache (lowered; sm_89+ runs it)
+    _lower_cuda(lambda q, k, v, bt, n: paged_decode_attention(q, k, v, bt, n, 0),
+                sds((B, Hq, D), f32), f8, f8, sds((B, P), i32), sds((B,), i32))
     for M in (1, 64):
         _lower_cuda(int8_matmul, sds((M, hidden), f32), sds((hidden, inter), jnp.int8), sds((inter,), f32))
         g = 64 if hidden % 128 else 128

@@ -48,10 +48,12 @@ def test_pallas_engine_matches_xla(model_dir):
     assert greedy(model_dir, "pallas") == want
 
 
-def test_pallas_engine_matches_xla_with_an_int8_kv_cache(tiny_model_dir):
-    """The kernels read the engine's int8 pages and their float16 scales as the XLA path does."""
-    want = greedy(tiny_model_dir, "xla", kv_cache_dtype="int8")
-    assert greedy(tiny_model_dir, "pallas", kv_cache_dtype="int8") == want
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_pallas_engine_matches_xla_with_a_quantized_kv_cache(tiny_model_dir, kv_cache_dtype):
+    """The kernels read the engine's int8 pages with their float16 scales, and fp8 pages, as
+    the XLA path does."""
+    want = greedy(tiny_model_dir, "xla", kv_cache_dtype=kv_cache_dtype)
+    assert greedy(tiny_model_dir, "pallas", kv_cache_dtype=kv_cache_dtype) == want
 
 
 def test_quantized_checkpoint_layout(model_dir):

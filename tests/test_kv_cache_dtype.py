@@ -39,18 +39,13 @@ def teacher_forced(default_model):
     import sys
     from pathlib import Path
 
-    from jaxserve.reference import ReferenceGenerator, paged_logits
+    from jaxserve.reference import paged_logits
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from quant_quality import PROMPTS
+    from quant_quality import chat_sequences
 
     cfg, params, tok = default_model
-    seqs = []
-    for text in PROMPTS:
-        ids = tok.encode_chat([{"role": "user", "content": text}])
-        gen = ReferenceGenerator(cfg, params, max_len=len(ids) + 64)
-        cont = list(gen.stream(ids, 64, temperature=0.0, seed=0, stop_ids=[]))
-        seqs.append((ids, cont, paged_logits(params, cfg, ids + cont)))
+    seqs = [(ids, cont, paged_logits(params, cfg, ids + cont)) for ids, cont in chat_sequences(tok, cfg, params, 64)]
     return cfg, params, seqs
 
 

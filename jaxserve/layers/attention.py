@@ -52,7 +52,8 @@ class AttentionMetadata:
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 SCALE_DTYPE = jnp.float16
 MIN_SCALE = 2.0 ** -14  # float16's smallest normal: an all-zero token keeps a finite scale
-FP8_KV_SCALE = 1.0  # K/V values are stored as x / scale; 1.0 keeps them (|x| < 448 in e4m3)
+FP8_KV_SCALE = 1.0  # K/V values are stored as x / scale; 1.0 keeps them (|x| < 448 in e4m3); the Pallas
+# kernels assume 1.0
 
 
 def kv_storage(kv_cache_dtype: str, dtype: str) -> tuple[jnp.dtype, int]:
@@ -240,10 +241,7 @@ def _pallas_attention(q, kv_cache, meta: AttentionMetadata, layer) -> jax.Array:
     """The Pallas kernels read K/V (and int8 scales) through the block tables; nothing is gathered."""
     from pallas_kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
-    k_cache, v_cache, *scales = kv_cache
-    if k_cache.dtype.itemsize == 1 and not scales:
-        raise NotImplementedError("the Pallas attention kernels read float or int8 KV pages, not fp8; "
-                                  "use attention_impl = \"xla\" with an fp8 KV cache")
+    k_cache, v_cache, *scales = kv_cache  # fp8 pages are read as they are (FP8_KV_SCALE is 1)
     k_scales, v_scales = scales or (None, None)
     if q.shape[1] == 1:
         out = paged_decode_attention(q[:, 0], k_cache, v_cache, meta.block_tables, meta.context_lens, layer,
