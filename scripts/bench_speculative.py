@@ -9,7 +9,8 @@
    one request at a time, against jaxserve with `--speculative-method ngram`, jaxserve
    without, and llama-server; output tok/s and the acceptance rate jaxserve's /metrics report.
 2. Ordinary load: `--dataset fixed` 256-token prompts, 128 out, concurrency 64, against both
-   jaxserve servers: speculation must turn itself off where it does not pay.
+   jaxserve servers (--load-repeats rounds, each starting both servers, the order alternating,
+   compared by their mean): speculation must turn itself off where it does not pay.
 
 Both jaxserve servers use configs/server.toml and run one after the other (this machine has
 two cores). Results go between the bench-speculative markers of BENCHMARKS.md and to
@@ -66,6 +67,7 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=192)
     ap.add_argument("--output-len", type=int, default=192)
     ap.add_argument("--load-prompts", type=int, default=128, help="requests of the concurrency-64 run")
+    ap.add_argument("--load-repeats", type=int, default=2, help="concurrency-64 rounds (both servers each)")
     ap.add_argument("--num-speculative-tokens", type=int, default=8, help="the speculating server's K")
     ap.add_argument("--skip", default="", help="comma list: llama-server, load")
     ap.add_argument("--out-dir", default="benchmarks")
@@ -95,10 +97,17 @@ def main() -> int:
                 after = spec_counters(url)
                 grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
                 accept[label] = grew
-            if label != LLAMA and "load" not in skip:
-                heavy[label] = bench_once(url, label, *load)
         finally:
             stop(proc)
+    # The load ratio's two sides differ by a few %, about this machine's run-to-run spread: each
+    # round starts both servers afresh, the other one first in the next round, on new prompts.
+    for r in range(0 if "load" in skip else args.load_repeats):
+        for label in (ON, OFF) if r % 2 == 0 else (OFF, ON):
+            proc, url, commands[label] = start(label, out)
+            try:
+                heavy.setdefault(label, []).append(bench_once(url, label, *load, "--seed", str(r)))
+            finally:
+                stop(proc)
     wall = time.monotonic() - t_all
     report.save_json(out / "speculative.json", {"machine": machine, "grounded": single, "load": heavy,
                                                 "acceptance": accept,
@@ -134,12 +143,14 @@ def markdown(machine: dict, single: dict, heavy: dict, accept: dict, commands: d
     if heavy:
         lines += ["", "Ordinary load: 256-token prompts, 128 out, concurrency 64 (speculation turns itself off "
                   f"above {SpeculativeConfig().disable_above_batch_size} running sequences):", "",
-                  "| server | output tok/s | TPOT p50 (ms) |", "| --- | ---: | ---: |"]
-        for label, r in heavy.items():
-            lines.append(f"| {label} | {r['output_throughput']:.1f} | {r['tpot']['p50'] * ms:.1f} |")
+                  "| server | run | output tok/s | TPOT p50 (ms) |", "| --- | ---: | ---: | ---: |"]
+        for label, runs in heavy.items():
+            lines += [f"| {label} | {i} | {r['output_throughput']:.1f} | {r['tpot']['p50'] * ms:.1f} |"
+                      for i, r in enumerate(runs, 1)]
         if ON in heavy and OFF in heavy:
-            lines += ["", f"Throughput at concurrency 64, on / off: "
-                      f"**{heavy[ON]['output_throughput'] / heavy[OFF]['output_throughput']:.3f}x**."]
+            mean = {k: sum(r["output_throughput"] for r in heavy[k]) / len(heavy[k]) for k in (ON, OFF)}
+            lines += ["", f"Mean throughput at concurrency 64 over {len(heavy[ON])} runs each, on / off: "
+                      f"**{mean[ON] / mean[OFF]:.3f}x**."]
     lines += ["", "Servers: " + "; ".join(f"{k}: `{shlex.join(v)}`" for k, v in commands.items()), "", END]
     return "\n".join(lines)
 

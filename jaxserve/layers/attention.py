@@ -48,7 +48,7 @@ class AttentionMetadata:
 # the token (a cache (k, v, k_scale, v_scale), scales [L, NP, PS, K] float16 beside the pages,
 # so a page is self-contained: swap and prefix caching move its scales with it). fp8 stores
 # them as float8 with one scale for the whole cache (FP8_KV_SCALE), a cache (k, v). Both
-# quantized kinds store keys rotated by a Hadamard matrix (`rotate`).
+# quantized kinds store keys and values rotated by a Hadamard matrix (`rotate`).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 SCALE_DTYPE = jnp.float16
 MIN_SCALE = 2.0 ** -14  # float16's smallest normal: an all-zero token keeps a finite scale
@@ -101,10 +101,9 @@ def rotate(x: jax.Array) -> jax.Array:
     are stored as v H with the output rotated back (out H H = out): attention is the same
     function. But a key's few outlier channels (this model family's keys have some several
     times larger than the rest) are spread over all D, so a per-token int8 scale fits the
-    whole vector, not its outliers. Measured with fake quantization on the default model
-    (quant_quality.py's prompts, 512 continuation tokens): teacher-forced top-1 agreement
-    with the float cache 98.2 % for int8 K/V without rotation, 99.2 % rotating K, 99.4 %
-    rotating both; fp8 e4m3 93.8 % without, 96.7 % with.
+    whole vector, not its outliers. On the default model (quant_quality.py's prompts, 512
+    continuation tokens) teacher-forced top-1 agreement with the float cache is 98.2 % for
+    int8 K/V without rotation and 99.2 % with it; fp8 e4m3 93.8 % and 95.3 % (BENCHMARKS.md).
     """
     h = hadamard(x.shape[-1])
     if h is None:
