@@ -126,9 +126,9 @@ class DraftRunner(ModelRunner):
         spans = []  # (seq, first position to feed, first position the propose call feeds)
         for it, on in zip(items, active):
             if on:
-                seq = it.seq
-                L = seq.num_tokens
-                spans.append((seq, seen(seq), min(max(seen(seq), L - FEED), L - 1)))
+                seq, L = it.seq, it.seq.num_tokens
+                a = seen(seq)
+                spans.append((seq, a, min(max(a, L - FEED), L - 1)))
         self._catch_up([(seq, a, b) for seq, a, b in spans if a < b])
         B = _bucket(n, self.propose_batches)
         P = _bucket(min(-(-(max(it.seq.num_tokens for it in items) + k) // ps), self.max_pages_per_seq),
