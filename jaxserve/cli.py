@@ -54,7 +54,8 @@ def _cmd_generate_batch(args) -> int:
     entries = _read_prompts(args.prompts_file)
     spec = _speculative_options(args)
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
-              speculative=spec, kv_cache_dtype=args.kv_cache_dtype or "auto")
+              speculative=spec, kv_cache_dtype=args.kv_cache_dtype or "auto",
+              tensor_parallel_size=args.tensor_parallel_size or 1)
     tok = llm.tokenizer
     prompts, params = [], []
     try:
@@ -88,12 +89,29 @@ def _cmd_generate_batch(args) -> int:
     return 0
 
 
+def _cmd_generate_parallel(args) -> int:
+    """One prompt through the engine split over --tensor-parallel-size devices (the plain path
+    below is the single-device reference forward)."""
+    from jaxserve.engine.engine import LLM
+    from jaxserve.engine.sequence import SamplingParams
+
+    llm = LLM(args.model, max_num_seqs=1, tensor_parallel_size=args.tensor_parallel_size,
+              kv_cache_dtype=args.kv_cache_dtype or "auto")
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                                   seed=args.seed))
+    print(out.text)
+    return 0
+
+
 def _cmd_generate(args) -> int:
     if args.prompts_file:
         return _cmd_generate_batch(args)
     if args.prompt is None:
         print("jaxserve generate: error: give a PROMPT or --prompts-file", file=sys.stderr)
         return 2
+    if (args.tensor_parallel_size or 1) > 1:
+        return _cmd_generate_parallel(args)
     from jaxserve.checkpoint.load import load_model
     from jaxserve.reference import ReferenceGenerator
     from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -142,7 +160,8 @@ def serve_configs(args):
                              ("kv_cache_memory_fraction", args.kv_cache_memory_fraction),
                              ("quantization", args.quantization), ("decode_steps", args.decode_steps),
                              ("overlap", args.overlap), ("enable_prefix_caching", args.enable_prefix_caching),
-                             ("kv_cache_dtype", args.kv_cache_dtype))
+                             ("kv_cache_dtype", args.kv_cache_dtype),
+                             ("tensor_parallel_size", args.tensor_parallel_size))
            if v is not None}
     spec = _speculative_options(args)
     if spec:
@@ -239,6 +258,11 @@ def _kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
                         "(--prompts-file and serve; default auto)")
 
 
+def _tensor_parallel_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                   help="split the model by heads over N local devices (default 1)")
+
+
 def _speculative_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-method", choices=("ngram", "draft"),
                    help="speculative decoding: ngram proposes tokens by prompt lookup, draft by a smaller model "
@@ -283,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="--prompts-file: reuse the KV pages of shared prompt prefixes (default: on)")
     _kv_cache_dtype_argument(g)
+    _tensor_parallel_argument(g)
     _speculative_arguments(g)
     g.add_argument("--model", required=True, help="converted model directory")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -313,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV pages of prompt prefixes computed before (default: on)")
     _kv_cache_dtype_argument(s)
+    _tensor_parallel_argument(s)
     _speculative_arguments(s)
     s.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: one JSON object per line, each with its request_id")

@@ -263,6 +263,9 @@ class EngineConfig:
     # "fp8_e4m3" / "fp8_e5m2" (layers/attention.py); int8 holds ~3.8x the tokens of float32
     kv_cache_dtype: str = "auto"
     speculative: SpeculativeConfig = SpeculativeConfig()  # [engine.speculative]
+    # Tensor parallelism: one model split by heads over this many local devices (layers/parallel.py).
+    # The KV budget (kv_cache_memory_gib or _fraction) is per device.
+    tensor_parallel_size: int = 1
     interpret: bool = False  # run Pallas kernels in interpret mode (tests on CPU)
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
     seed: int = 0
@@ -278,6 +281,8 @@ class EngineConfig:
             object.__setattr__(self, name, value)
         if self.page_size < 1:
             raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.decode_batch_buckets[-1] < self.max_num_seqs:

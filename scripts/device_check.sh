@@ -3,7 +3,8 @@
 # kernel tests with interpret=False (float, int8 and fp8 KV pages), the kernel benchmark (decode
 # attention over int8 KV pages against bf16 ones among its rows), and end-to-end generation with the
 # Pallas kernels against XLA at SmolLM2-135M and Llama-3-8B shapes (random weights: no
-# checkpoint is carried). Everything goes to one results file; it should finish in < 8 min.
+# checkpoint is carried), then the same split over every GPU where there are several (tensor
+# parallelism; skipped with a message on one). Everything goes to one results file; it should finish in < 8 min.
 #
 #   scripts/device_check.sh [RESULTS_FILE]     (default: $OUT/device_results.txt or ./device_results.txt)
 set -uo pipefail
@@ -24,6 +25,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PALLAS_INTERPRET=0
   timeout 150 "$PY" scripts/bench_kernels.py --peak-gbps 4800 --peak-tflops 989 2>&1
   echo "== end to end: pallas vs xla"
   timeout 120 "$PY" scripts/device_e2e.py 2>&1
+  echo "== tensor parallel: pallas and xla split over every GPU against xla on one"
+  NGPU=$("$PY" -c "import jax; print(jax.device_count())" 2>/dev/null || echo 1)
+  if [ "${NGPU:-1}" -gt 1 ]; then
+    timeout 150 "$PY" scripts/device_e2e.py --tensor-parallel "$NGPU" --shapes llama-3-8b 2>&1
+  else
+    echo "skipped: this machine has ${NGPU:-1} GPU (tensor parallelism needs 2 or more)"
+  fi
   echo "== done $(date -u)"
 } > "$RESULTS" 2>&1
 cat "$RESULTS"

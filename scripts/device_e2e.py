@@ -2,13 +2,15 @@
 """End-to-end generation with attention/matmul `pallas` against `xla`, on random weights.
 
     python scripts/device_e2e.py [--shapes smollm2-135m,llama-3-8b] [--tokens 32] [--interpret]
+                                 [--tensor-parallel N]
 
 For the GPU check (scripts/device_check.sh), where no checkpoint can be carried: each
 model is built with random weights at a real model's shapes (SmolLM2-135M; Llama-3-8B,
 bfloat16, 4 layers unless --full-depth), run through the engine's ModelRunner (paged
 KV cache, bucketed prefill and decode steps) greedily for a batch of prompts with
 attention_impl = matmul_impl = "xla" and then "pallas", int8 weights too; prints
-whether the tokens agree and the decode step time of each.
+whether the tokens agree and the decode step time of each. With --tensor-parallel N > 1 the
+pallas and xla runs are split over N devices (layers/parallel.py) and compared with xla on one.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
 from jaxserve.engine.pages import PagePool  # noqa: E402
 from jaxserve.engine.runner import ModelRunner, ScheduledItem  # noqa: E402
 from jaxserve.engine.sequence import SamplingParams, Sequence  # noqa: E402
+from jaxserve.layers import parallel  # noqa: E402
 
 SHAPES = {
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -55,25 +58,26 @@ def random_params(cfg: ModelConfig, dtype) -> dict:
     return p
 
 
-def generate(cfg: ModelConfig, params: dict, dtype: str, impl: str, interpret: bool, prompts, tokens: int):
+def generate(cfg: ModelConfig, params: dict, dtype: str, impl: str, interpret: bool, prompts, tokens: int,
+             tp: int = 1):
     ecfg = EngineConfig(max_num_seqs=8, max_model_len=256, decode_batch_buckets=(8,), context_buckets=(256,),
                         prefill_batch_buckets=(1,), prefill_length_buckets=(64,), num_pages=160, dtype=dtype,
                         attention_impl=impl, matmul_impl=impl, interpret=interpret, compilation_cache_dir=None)
-    runner = ModelRunner(cfg, jax.tree.map(jnp.asarray, params), ecfg, ecfg.num_pages)
+    runner = ModelRunner(cfg, jax.tree.map(jnp.asarray, params), ecfg, ecfg.num_pages, parallel.make_mesh(tp))
     pool = PagePool(ecfg.num_pages, ecfg.page_size)
     seqs = [Sequence(f"r{i}", list(p), SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
             for i, p in enumerate(prompts)]
     for s in seqs:
         s.pages = pool.allocate(-(-(len(s.prompt_ids) + tokens) // ecfg.page_size))
         out = runner.run([ScheduledItem(s, 0, len(s.prompt_ids))], decode=False)
-        s.output_ids.append(int(out.tokens[0]))
+        s.output_ids.append(int(out.tokens[0, 0]))
     step_times = []
     for _ in range(tokens - 1):
         items = [ScheduledItem(s, s.num_tokens - 1, 1) for s in seqs]
         t0 = time.perf_counter()
         out = runner.run(items, decode=True)
         step_times.append(time.perf_counter() - t0)
-        for s, t in zip(seqs, out.tokens):
+        for s, t in zip(seqs, out.tokens[:, 0]):
             s.output_ids.append(int(t))
     return [s.output_ids for s in seqs], float(np.median(step_times[1:] or step_times))
 
@@ -84,6 +88,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--interpret", action="store_true", help="Pallas in interpret mode (a CPU smoke test)")
     ap.add_argument("--full-depth", action="store_true", help="all 32 layers of Llama-3-8B")
+    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="split both runs over N devices")
     args = ap.parse_args()
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})")
     ok = True
@@ -99,13 +104,18 @@ def main() -> int:
         rng = np.random.default_rng(1)
         prompts = [rng.integers(10, cfg.vocab_size - 10, n).tolist() for n in (5, 17, 40, 64)]
         for weights, p in (("float", params), ("int8", quantize_params(params, "int8"))):
-            base, t_xla = generate(cfg, p, dtype, "xla", False, prompts, args.tokens)
-            got, t_pal = generate(cfg, p, dtype, "pallas", args.interpret, prompts, args.tokens)
-            same = sum(a == b for x, y in zip(base, got) for a, b in zip(x, y))
-            total = sum(len(x) for x in base)
-            ok &= same == total
-            print(f"{name} {weights:>5}: pallas tokens equal xla {same}/{total}; decode step B=4 "
-                  f"xla {t_xla * 1e3:.2f} ms, pallas {t_pal * 1e3:.2f} ms")
+            tp = args.tensor_parallel
+            base, t_one = generate(cfg, p, dtype, "xla", False, prompts, args.tokens)
+            runs = {"pallas": generate(cfg, p, dtype, "pallas", args.interpret, prompts, args.tokens, tp)}
+            if tp > 1:
+                runs["xla"] = generate(cfg, p, dtype, "xla", False, prompts, args.tokens, tp)
+            for impl, (got, t) in runs.items():
+                same = sum(a == b for x, y in zip(base, got) for a, b in zip(x, y))
+                total = sum(len(x) for x in base)
+                ok &= same == total
+                where = f" on {tp} devices" if tp > 1 else ""
+                print(f"{name} {weights:>5}: {impl}{where} tokens equal xla on one device {same}/{total}; "
+                      f"decode step B=4 xla (one device) {t_one * 1e3:.2f} ms, {impl}{where} {t * 1e3:.2f} ms")
     return 0 if ok else 1
 
 

@@ -9,6 +9,11 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# tests/multidevice needs several (forced host) devices, set before jax starts: it runs in a
+# pytest session of its own (tests/test_tensor_parallel.py), so this one keeps one device.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    collect_ignore = ["multidevice"]
+
 
 @pytest.fixture(scope="session")
 def default_model_dir():

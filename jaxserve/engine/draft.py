@@ -61,13 +61,14 @@ class DraftRunner(ModelRunner):
     propose (B, -FEED, P) for the batch sizes speculation runs at."""
 
     def __init__(self, model_cfg: ModelConfig, params: dict, cfg: EngineConfig, num_pages: int,
-                 batches: tuple[int, ...]):
-        super().__init__(model_cfg, params, dataclasses.replace(cfg, speculative=SpeculativeConfig()), num_pages)
+                 batches: tuple[int, ...], mesh=None):
+        super().__init__(model_cfg, params, dataclasses.replace(cfg, speculative=SpeculativeConfig()), num_pages,
+                         mesh)
         self.k = cfg.speculative.num_speculative_tokens
         self.propose_batches = batches
         self.prefill_batches = tuple(b for b in self.prefill_batches if b <= batches[-1]) or self.prefill_batches[:1]
         self.swap_enabled = False  # a swapped sequence's draft cache is recomputed, not copied
-        self._jitted_propose = jax.jit(self._propose_step, donate_argnums=(1,))
+        self._jitted_propose = self._jit(self._propose_step)
 
     def buckets(self) -> list[tuple[int, int, int]]:
         prefill = [key for key in super().buckets() if key[1] > 0]
@@ -80,7 +81,7 @@ class DraftRunner(ModelRunner):
         if key[1] > 0:
             return super()._compile(key)
         params, kv, feed, samp = self._abstract_args(*key)
-        inp = ProposeInputs(feed=feed, alloc=jax.ShapeDtypeStruct((key[0],), jnp.int32))
+        inp = ProposeInputs(feed=feed, alloc=self._sds((key[0],), jnp.int32))
         return self._jitted_propose.lower(params, kv, inp, samp).compile()
 
     def _propose_step(self, params, kv_cache, inp: ProposeInputs, sampling: SamplingArrays):
@@ -93,8 +94,7 @@ class DraftRunner(ModelRunner):
         hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, feed.tokens, self._meta(feed), kv_cache)
         B = hidden.shape[0]
         rows = jnp.arange(B)
-        logits = self.model.logits_from_hidden(params, hidden[rows, feed.last_index], self.matmul_impl,
-                                               self.cfg.interpret)
+        logits = self._logits(params, hidden[rows, feed.last_index])
         V = logits.shape[1]
         start = feed.context_lens  # position of d_1: the sequence's length
 

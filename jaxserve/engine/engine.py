@@ -45,12 +45,13 @@ import jax
 
 from jaxserve.checkpoint.load import load_model
 from jaxserve.checkpoint.quantize import quantize_at_load
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import faults
 from jaxserve.engine.draft import DraftRunner
 from jaxserve.engine.pages import PagePool, kv_bytes_per_page, pages_for_budget
 from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.limits import RequestLimits
+from jaxserve.layers import parallel
 from jaxserve.layers.attention import kv_storage
 from jaxserve.engine.runner import Launched, ModelRunner, ScheduledItem, StepResult, enable_compilation_cache
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, by_priority
@@ -82,7 +83,11 @@ class Engine:
         enable_compilation_cache(config.compilation_cache_dir)
         self.model_dir = Path(model_dir)
         self.tokenizer = Tokenizer(model_dir)
-        self.model_cfg, params = load_model(model_dir, dtype=config.dtype)
+        # Tensor parallelism: the weights and the KV cache split over this mesh (layers/parallel.py).
+        self.mesh = parallel.make_mesh(config.tensor_parallel_size)
+        if self.mesh is not None:  # before any weight is read
+            parallel.check_divisible(ModelConfig.from_dir(model_dir), self.mesh.size)
+        self.model_cfg, params = load_model(model_dir, dtype=config.dtype, mesh=self.mesh)
         params = quantize_at_load(params, config.quantization)
         max_len = min(config.max_model_len, self.model_cfg.max_position_embeddings)
         store, scale_bytes = kv_storage(config.kv_cache_dtype, config.dtype)
@@ -93,7 +98,9 @@ class Engine:
         draft_page_bytes = 0 if draft is None else kv_bytes_per_page(
             draft[0].num_layers, config.page_size, draft[0].num_kv_heads, draft[0].head_dim, store.itemsize,
             scale_bytes)
-        num_pages = config.num_pages or pages_for_budget(kv_budget_bytes(config), page_bytes + draft_page_bytes)
+        # The budget is per device; each of the tensor_parallel_size devices holds its heads' share of a page.
+        num_pages = config.num_pages or pages_for_budget(kv_budget_bytes(config) * config.tensor_parallel_size,
+                                                         page_bytes + draft_page_bytes)
         if num_pages < 1:
             raise ValueError("the KV cache budget holds no page; raise kv_cache_memory_gib")
         self.config = dataclasses.replace(config, max_model_len=max_len)
@@ -103,8 +110,9 @@ class Engine:
         self.cache = PrefixCache(self.pool, f"{self.model_dir.resolve()}|{config.dtype}|{config.quantization}|"
                                             f"{config.kv_cache_dtype}") \
             if config.enable_prefix_caching else None
-        self.runner = ModelRunner(self.model_cfg, params, self.config, num_pages)
-        self.draft = None if draft is None else DraftRunner(*draft, self.config, num_pages, self.runner.verify_batches)
+        self.runner = ModelRunner(self.model_cfg, params, self.config, num_pages, self.mesh)
+        self.draft = None if draft is None else DraftRunner(*draft, self.config, num_pages, self.runner.verify_batches,
+                                                            self.mesh)
         max_chunk = self.config.prefill_length_buckets[-1]
         budget = self.config.prefill_token_budget or max(self.runner.prefill_batches) * max_chunk
         self.scheduler = Scheduler(SchedulerConfig(
@@ -126,6 +134,11 @@ class Engine:
         # speculative decoding so far: (rows with drafts, draft tokens, draft tokens accepted)
         self.spec_counts: tuple[int, int, int] = (0, 0, 0)
         self._inflight_started = 0.0
+        if self.mesh is not None:
+            log.info("tensor parallel over %d devices (%s): each holds %d of %d heads and %d of %d KV heads",
+                     self.mesh.size, ", ".join(str(d) for d in self.mesh.devices.flat),
+                     self.model_cfg.num_heads // self.mesh.size, self.model_cfg.num_heads,
+                     self.model_cfg.num_kv_heads // self.mesh.size, self.model_cfg.num_kv_heads)
         self.compile_seconds = self.runner.warmup() if warmup else 0.0
         if warmup and self.draft is not None:
             self.compile_seconds += self.draft.warmup()
@@ -140,7 +153,9 @@ class Engine:
         if not (path / "config.json").is_file():
             raise ValueError(f"draft_model {str(path)!r} is not a model directory (no config.json); "
                              "convert one with `jaxserve convert`")
-        cfg, params = load_model(path, dtype=config.dtype)
+        if self.mesh is not None:
+            parallel.check_divisible(ModelConfig.from_dir(path), self.mesh.size, "the draft model")
+        cfg, params = load_model(path, dtype=config.dtype, mesh=self.mesh)
         if cfg.vocab_size != self.model_cfg.vocab_size:
             raise ValueError(f"the draft model's vocabulary has {cfg.vocab_size} tokens and the target's "
                              f"{self.model_cfg.vocab_size}: a draft model must use the target's tokenizer")

@@ -33,6 +33,7 @@ the previous call while this one runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -42,12 +43,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.sampler import (NUM_TOP_LOGPROBS, SampleOutput, SamplingArrays, gumbel_noise, probabilities,
                                      sample, uniform_noise)
 from jaxserve.engine.sequence import SamplingParams, Sequence
 from jaxserve.engine.speculative import ACCEPT_STREAM, accept_drafts, accepted_lengths
+from jaxserve.layers import parallel
 from jaxserve.layers.attention import AttentionMetadata, init_kv_cache
 from jaxserve.layers.linear import resolve as resolve_impl
 from jaxserve.models import family
@@ -154,8 +157,16 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 class ModelRunner:
     """Owns the parameters, the KV cache and the compiled step executables."""
 
-    def __init__(self, model_cfg: ModelConfig, params: dict, cfg: EngineConfig, num_pages: int):
-        self.model_cfg, self.params, self.cfg = model_cfg, params, cfg
+    def __init__(self, model_cfg: ModelConfig, params: dict, cfg: EngineConfig, num_pages: int,
+                 mesh: Mesh | None = None):
+        self.model_cfg, self.cfg = model_cfg, cfg
+        # Tensor parallelism (layers/parallel.py): weights and KV cache split over `mesh` by heads;
+        # every other input and output of a call is replicated. None: one device, no shardings.
+        self.mesh = mesh
+        if mesh is not None:
+            parallel.check_divisible(model_cfg, mesh.size)
+            params = jax.device_put(params, parallel.param_shardings(params, mesh))  # a no-op where placed
+        self.params = params
         self.model = family(model_cfg)
         self.attention_impl = resolve_impl(cfg.attention_impl)
         self.matmul_impl = "w8a8" if cfg.quantization == "w8a8" else resolve_impl(cfg.matmul_impl)
@@ -171,11 +182,14 @@ class ModelRunner:
         self.prefill_batches = tuple(b for b in cfg.prefill_batch_buckets if b <= cfg.max_num_seqs)
         self.prefill_lengths = cfg.prefill_length_buckets
         # (k, v) [L, NP, PS, K, D], and for an int8 cache (k_scale, v_scale) [L, NP, PS, K]
-        self.kv_cache = init_kv_cache(model_cfg.num_layers, num_pages, cfg.page_size, model_cfg.num_kv_heads,
-                                      model_cfg.head_dim, cfg.dtype, cfg.kv_cache_dtype)
-        self._jitted = jax.jit(self._step, donate_argnums=(1,))
-        self._jitted_decode = jax.jit(self._decode_step, donate_argnums=(1,))
-        self._jitted_verify = jax.jit(self._verify_step, donate_argnums=(1,))
+        init = functools.partial(init_kv_cache, model_cfg.num_layers, num_pages, cfg.page_size,
+                                 model_cfg.num_kv_heads, model_cfg.head_dim, cfg.dtype, cfg.kv_cache_dtype)
+        # Under tensor parallelism each device creates only its KV heads' share of the pages.
+        self.kv_cache = init() if mesh is None else jax.jit(init, out_shardings=parallel.kv_shardings(
+            jax.eval_shape(init), mesh))()
+        self._jitted = self._jit(self._step)
+        self._jitted_decode = self._jit(self._decode_step)
+        self._jitted_verify = self._jit(self._verify_step)
         spec = cfg.speculative
         # Verify calls feed k + 1 tokens per row, for the batch sizes speculation runs at.
         self.verify_width = spec.num_speculative_tokens + 1 if spec.enabled else 0
@@ -193,17 +207,35 @@ class ModelRunner:
         self._gather = jax.jit(lambda kv, ids: jax.tree.map(lambda c: c[:, ids], kv))
         self._scatter = jax.jit(
             lambda kv, ids, data: jax.tree.map(lambda c, d: c.at[:, ids].set(d, mode="drop"), kv, data),
-            donate_argnums=(0,))
+            donate_argnums=(0,), **({} if mesh is None else {"out_shardings": self._kv_shardings()}))
         self._copy_executables: dict[tuple[str, int], object] = {}
         self.compile_seconds = 0.0
 
     # The jitted step --------------------------------------------------------------------
 
+    def _jit(self, fn):
+        """jit a step fn(params, kv_cache, ...) -> (outputs, kv_cache), the cache donated; under
+        tensor parallelism the outputs are replicated and the cache keeps its sharding."""
+        if self.mesh is None:
+            return jax.jit(fn, donate_argnums=(1,))
+        return jax.jit(fn, donate_argnums=(1,), out_shardings=(parallel.replicated(self.mesh), self._kv_shardings()))
+
+    def _kv_shardings(self):
+        return parallel.kv_shardings(self.kv_cache, self.mesh)
+
+    def _logits(self, params, hidden: jax.Array) -> jax.Array:
+        """hidden [..., D] -> float32 logits [..., V], whole on every device (the sampler's input;
+        under tensor parallelism each device computed its vocabulary shard)."""
+        logits = self.model.logits_from_hidden(params, hidden, self.matmul_impl, self.cfg.interpret, self.mesh)
+        if self.mesh is not None:
+            logits = jax.lax.with_sharding_constraint(logits, parallel.replicated(self.mesh))
+        return logits
+
     def _meta(self, inp: StepInputs) -> AttentionMetadata:
         return AttentionMetadata(positions=inp.positions, context_lens=inp.context_lens,
                                  slot_mapping=inp.slot_mapping, block_tables=inp.block_tables,
                                  sliding_window=self.model_cfg.sliding_window, attention_impl=self.attention_impl,
-                                 matmul_impl=self.matmul_impl, interpret=self.cfg.interpret)
+                                 matmul_impl=self.matmul_impl, interpret=self.cfg.interpret, mesh=self.mesh)
 
     def _step(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays):
         meta = self._meta(inp)
@@ -211,7 +243,7 @@ class ModelRunner:
             hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, inp.tokens, meta, kv_cache)
             B = hidden.shape[0]
             last = hidden[jnp.arange(B), inp.last_index]  # [B, D]
-            logits = self.model.logits_from_hidden(params, last, self.matmul_impl, self.cfg.interpret)  # [B, V]
+            logits = self._logits(params, last)  # [B, V]
         with jax.named_scope("sample"):
             return sample(logits, sampling), kv_cache
 
@@ -226,8 +258,7 @@ class ModelRunner:
         with jax.named_scope("model"):
             hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, inp.tokens, meta, kv_cache)
             B, T, D = hidden.shape
-            logits = self.model.logits_from_hidden(params, hidden.reshape(B * T, D), self.matmul_impl,
-                                                   self.cfg.interpret)  # [B * T, V]
+            logits = self._logits(params, hidden.reshape(B * T, D))  # [B * T, V]
         with jax.named_scope("sample"):
             H = sampling.history.shape[1]
             j = jnp.arange(T)
@@ -275,10 +306,10 @@ class ModelRunner:
         meta = AttentionMetadata(positions=pos[:, None], context_lens=ctx, slot_mapping=slot[:, None],
                                  block_tables=block_tables, sliding_window=self.model_cfg.sliding_window,
                                  attention_impl=self.attention_impl, matmul_impl=self.matmul_impl,
-                                 interpret=self.cfg.interpret)
+                                 interpret=self.cfg.interpret, mesh=self.mesh)
         with jax.named_scope("model"):
             hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, tokens[:, None], meta, kv_cache)
-            logits = self.model.logits_from_hidden(params, hidden[:, 0], self.matmul_impl, self.cfg.interpret)
+            logits = self._logits(params, hidden[:, 0])
         return logits, kv_cache
 
     def _decode_step(self, params, kv_cache, inp: DecodeInputs, sampling: SamplingArrays, chain: jax.Array,
@@ -337,9 +368,13 @@ class ModelRunner:
         fresh = next(p for p in self.context_page_buckets if p * ps >= min(T, self.cfg.max_model_len))
         return tuple(p for p in self.context_page_buckets if p >= fresh)
 
+    def _sds(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        """An abstract host input of a call: replicated over the mesh under tensor parallelism."""
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=None if self.mesh is None else parallel.replicated(self.mesh))
+
     def _abstract_args(self, B: int, T: int, P: int):
         i32, f32 = jnp.int32, jnp.float32
-        sds = jax.ShapeDtypeStruct
+        sds = self._sds
         NB = SamplingParams.MAX_LOGIT_BIAS
         if T == 0:  # a decode call
             inp = DecodeInputs(tokens=sds((B,), i32), chain_row=sds((B,), i32), start=sds((B,), i32),
@@ -355,8 +390,8 @@ class ModelRunner:
             seeds=sds((B,), jnp.uint32), counters=sds((B,), i32), history=sds((B, H), i32),
             prompt_lens=sds((B,), i32), logprobs=sds((B,), jnp.bool_),
             bias_ids=sds((B, NB), i32), bias_values=sds((B, NB), f32))
-        params = jax.tree.map(lambda a: sds(a.shape, a.dtype), self.params)
-        kv = jax.tree.map(lambda a: sds(a.shape, a.dtype), self.kv_cache)
+        like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)  # noqa: E731
+        params, kv = jax.tree.map(like, self.params), jax.tree.map(like, self.kv_cache)
         if T == 0:
             return params, kv, inp, samp, sds((self.max_decode_steps, self.chain_rows), i32), sds((), i32)
         return params, kv, inp, samp
@@ -370,7 +405,7 @@ class ModelRunner:
         fn = self._jitted_decode if key[1] == 0 else self._jitted_verify if key[1] < 0 else self._jitted
         args = self._abstract_args(*key)
         if key[1] < 0 and self.judges_drafts:  # a draft model's distributions [B, k, V]
-            args += (jax.ShapeDtypeStruct((key[0], -key[1] - 1, self.model_cfg.vocab_size), jnp.float32),)
+            args += (self._sds((key[0], -key[1] - 1, self.model_cfg.vocab_size), jnp.float32),)
         return fn.lower(*args).compile()
 
     def warmup(self) -> float:
@@ -395,12 +430,13 @@ class ModelRunner:
     def _copy_executable(self, kind: str, n: int):
         exe = self._copy_executables.get((kind, n))
         if exe is None:
-            kv = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.kv_cache)
-            ids = jax.ShapeDtypeStruct((n,), jnp.int32)
+            kv = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_cache)
+            ids = self._sds((n,), jnp.int32)
             if kind == "out":
                 exe = self._gather.lower(kv, ids).compile()
             else:
-                data = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], n, *a.shape[2:]), a.dtype), kv)
+                data = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], n, *a.shape[2:]), a.dtype,
+                                                                   sharding=a.sharding), kv)
                 exe = self._scatter.lower(kv, ids, data).compile()
             self._copy_executables[(kind, n)] = exe
         return exe

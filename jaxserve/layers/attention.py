@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 MASK_VALUE = -1e30
 
@@ -41,6 +43,9 @@ class AttentionMetadata:
     attention_impl: str = struct.field(pytree_node=False, default="xla")
     matmul_impl: str = struct.field(pytree_node=False, default="xla")
     interpret: bool = struct.field(pytree_node=False, default=False)
+    # Tensor parallelism (layers/parallel.py): the 1-D mesh the step's weights and KV cache are
+    # split over, by heads; attention then runs per shard. None: one device.
+    mesh: Mesh | None = struct.field(pytree_node=False, default=None)
 
 
 # KV cache storage (`[engine] kv_cache_dtype`): "auto" keeps K/V in the model's dtype, a
@@ -209,6 +214,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
 
     q [B, T, Hq, D]; k, v [B, T, K, D] for this step's tokens.
     """
+    if meta.mesh is not None and kv_cache is not None:
+        return _per_shard(q, k, v, meta, kv_cache, layer)
     if kv_cache is None:
         out = attend(q, k, v, meta.positions, meta.positions, meta.context_lens, meta.sliding_window)
         return out, None
@@ -234,6 +241,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
         impl = attend_one if q.shape[1] == 1 else attend
         out = impl(q, keys, values, meta.positions, k_pos, meta.context_lens, meta.sliding_window)
     return (rotate(out) if rotated else out), kv_cache  # H is symmetric and orthonormal: H H = I
+
+
+def _per_shard(q, k, v, meta: AttentionMetadata, kv_cache, layer):
+    """`attention` on each device over its own heads: q [B, T, Hq/N, D], k, v [B, T, K/N, D] and
+    its KV heads' slice of every page. No communication: the heads are independent (GQA keeps
+    a query head with its KV head, as Hq/N and K/N split alike)."""
+    (axis,) = meta.mesh.axis_names
+    heads = P(None, None, axis)
+    cache = tuple(P(None, None, None, axis) for _ in kv_cache)  # pages [L, NP, PS, K, D], scales [L, NP, PS, K]
+    local = meta.replace(mesh=None)
+    fn = jax.shard_map(lambda q, k, v, c, l, m: attention(q, k, v, m, c, l), mesh=meta.mesh,
+                       in_specs=(heads, heads, heads, cache, P(), P()), out_specs=(heads, cache), check_vma=False)
+    return fn(q, k, v, kv_cache, layer, local)
 
 
 def _pallas_attention(q, kv_cache, meta: AttentionMetadata, layer) -> jax.Array:

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.quantized_matmul import int4_matmul, int8_matmul, unpack_int4
 
@@ -50,8 +52,15 @@ def resolve(impl: str) -> str:
     return impl
 
 
-def linear(x: jax.Array, w, impl: str = "xla", interpret: bool = False) -> jax.Array:
-    """x [..., K] @ w -> [..., N] in x's dtype."""
+def linear(x: jax.Array, w, impl: str = "xla", interpret: bool = False, mesh: Mesh | None = None,
+           split: str | None = None) -> jax.Array:
+    """x [..., K] @ w -> [..., N] in x's dtype.
+
+    Under tensor parallelism (`mesh`, the weight split "column" or "row": layers/parallel.py)
+    XLA's partitioner splits a dot by the weight's sharding; the Pallas kernels, which it
+    cannot split, run per shard."""
+    if mesh is not None and impl == "pallas" and isinstance(w, dict):
+        return _per_shard_linear(x, w, interpret, mesh, split)
     if not isinstance(w, dict):
         return x @ w
     lead, K = x.shape[:-1], x.shape[-1]
@@ -69,6 +78,26 @@ def linear(x: jax.Array, w, impl: str = "xla", interpret: bool = False) -> jax.A
         else:
             y = flat @ unpack_int4(w["q4"], w["scale"], w["low"]).astype(x.dtype)
     return y.reshape(*lead, y.shape[-1]).astype(x.dtype)
+
+
+def _per_shard_linear(x: jax.Array, w: dict, interpret: bool, mesh: Mesh, split: str) -> jax.Array:
+    """A Pallas matmul on each device's slice of the weight: a column-parallel one gives each
+    device its outputs [..., N/n]; a row-parallel one multiplies its inputs [..., K/n] and the
+    partial sums are added over the devices (the layer's all-reduce)."""
+    from jaxserve.layers.parallel import weight_specs
+
+    specs = weight_specs(split, w, mesh.size)
+    if all(s == P() for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+        return linear(x, w, "pallas", interpret)  # not divisible: whole on every device
+    (axis,) = mesh.axis_names
+    lead = [None] * (x.ndim - 1)
+    if split == "column":
+        fn = lambda x, w: linear(x, w, "pallas", interpret)  # noqa: E731
+        x_spec, out_spec = P(), P(*lead, axis)
+    else:
+        fn = lambda x, w: jax.lax.psum(linear(x, w, "pallas", interpret), axis)  # noqa: E731
+        x_spec, out_spec = P(*lead, axis), P()
+    return jax.shard_map(fn, mesh=mesh, in_specs=(x_spec, specs), out_specs=out_spec, check_vma=False)(x, w)
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -93,19 +122,44 @@ def w8a8_matmul(x: jax.Array, q8: jax.Array, scale: jax.Array) -> jax.Array:
     return _int8_dot(xq, q8, ((1,), (0,))).astype(jnp.float32) * xs * scale.astype(jnp.float32)
 
 
-def embed(table, tokens: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """Embedding lookup; an int8 table {"q8" [V, D], "scale" [V]} is dequantized row by row."""
+def _vocab_axis(table, mesh: Mesh | None) -> str | None:
+    """The mesh axis a [V, D] table is split over by rows (layers/parallel.py), if it is."""
+    rows = (table["q8"] if isinstance(table, dict) else table).shape[0]
+    return mesh.axis_names[0] if mesh is not None and rows % mesh.size == 0 else None
+
+
+def embed(table, tokens: jax.Array, dtype=jnp.float32, mesh: Mesh | None = None) -> jax.Array:
+    """Embedding lookup; an int8 table {"q8" [V, D], "scale" [V]} is dequantized row by row.
+
+    A table split by vocabulary over `mesh` is read per shard: each device looks up the
+    tokens in its rows (zeros for the others) and the rows are summed over the devices."""
+    axis = _vocab_axis(table, mesh)
+    if axis is not None:
+        def local(table, tokens):
+            rows = (table["q8"] if isinstance(table, dict) else table).shape[0]
+            idx = tokens - jax.lax.axis_index(axis) * rows
+            inside = (idx >= 0) & (idx < rows)
+            x = embed(table, jnp.where(inside, idx, 0), dtype)
+            return jax.lax.psum(jnp.where(inside[..., None], x, jnp.zeros((), x.dtype)), axis)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(), check_vma=False)(table, tokens)
     if not isinstance(table, dict):
         return table[tokens]
     return (table["q8"][tokens].astype(dtype) * table["scale"][tokens][..., None].astype(dtype))
 
 
-def tied_logits(hidden: jax.Array, table, impl: str = "xla") -> jax.Array:
+def tied_logits(hidden: jax.Array, table, impl: str = "xla", mesh: Mesh | None = None) -> jax.Array:
     """hidden [..., D] against the embedding table [V, D] (tied lm_head) -> [..., V].
 
     An int8 table's per-row scales are per output channel of this product, so they are
     applied after the dot. (Always XLA: the table is [V, D], not the kernels' [K, N].)
-    With impl "w8a8" the hidden rows are quantized too, at every row count."""
+    With impl "w8a8" the hidden rows are quantized too, at every row count. A table split by
+    vocabulary over `mesh` gives each device its logits [..., V/n] (a per-shard product:
+    the chunked dot below scans the table's rows, which the partitioner would gather)."""
+    axis = _vocab_axis(table, mesh)
+    if axis is not None:
+        lead = [None] * (hidden.ndim - 1)
+        return jax.shard_map(lambda h, t: tied_logits(h, t, impl), mesh=mesh, in_specs=(P(), P(axis)),
+                             out_specs=P(*lead, axis), check_vma=False)(hidden, table)
     if not isinstance(table, dict):
         return jnp.einsum("...D,VD->...V", hidden, table)
     lead, flat = hidden.shape[:-1], hidden.reshape(-1, hidden.shape[-1])

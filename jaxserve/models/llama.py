@@ -63,11 +63,12 @@ def _layer(cfg: ModelConfig, meta: AttentionMetadata, carry, layer_in):
     B, T, _ = x.shape
     Hq, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
-    mm = functools.partial(linear, impl=meta.matmul_impl, interpret=meta.interpret)
+    mm = functools.partial(linear, impl=meta.matmul_impl, interpret=meta.interpret, mesh=meta.mesh)
+    col, row = functools.partial(mm, split="column"), functools.partial(mm, split="row")  # layers/parallel.py
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = mm(h, p["wq"])
-    k = mm(h, p["wk"])
-    v = mm(h, p["wv"])
+    q = col(h, p["wq"])
+    k = col(h, p["wk"])
+    v = col(h, p["wv"])
     if cfg.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     inv_freq = _inv_freq(cfg)
@@ -75,10 +76,10 @@ def _layer(cfg: ModelConfig, meta: AttentionMetadata, carry, layer_in):
     k = rope(k.reshape(B, T, K, Dh), meta.positions, inv_freq)
     v = v.reshape(B, T, K, Dh)
     attn, kv_cache = attention(q, k, v, meta, kv_cache, layer)
-    x = x + mm(attn.reshape(B, T, Hq * Dh), p["wo"])
+    x = x + row(attn.reshape(B, T, Hq * Dh), p["wo"])
 
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    x = x + mm(jax.nn.silu(mm(h, p["w_gate"])) * mm(h, p["w_up"]), p["w_down"])
+    x = x + row(jax.nn.silu(col(h, p["w_gate"])) * col(h, p["w_up"]), p["w_down"])
     return (x, kv_cache), None
 
 
@@ -88,19 +89,20 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, meta: At
 
     kv_cache, when given, is (k, v), each [L, num_pages, page_size, K, Dh]; it is returned updated.
     """
-    x = embed(params["embed"], tokens, params["final_norm"].dtype)  # [B, T, D]
+    x = embed(params["embed"], tokens, params["final_norm"].dtype, meta.mesh)  # [B, T, D]
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, kv_cache), _ = jax.lax.scan(functools.partial(_layer, cfg, meta), (x, kv_cache), (params["layers"], layers))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv_cache
 
 
 def logits_from_hidden(params: Params, hidden: jax.Array, matmul_impl: str = "xla",
-                       interpret: bool = False) -> jax.Array:
-    """hidden [..., D] -> float32 logits [..., V] through lm_head or the tied embedding."""
+                       interpret: bool = False, mesh=None) -> jax.Array:
+    """hidden [..., D] -> float32 logits [..., V] through lm_head or the tied embedding (split by
+    vocabulary under tensor parallelism, `mesh`)."""
     if "lm_head" in params:
-        out = linear(hidden, params["lm_head"], matmul_impl, interpret)
+        out = linear(hidden, params["lm_head"], matmul_impl, interpret, mesh, "column")
     else:
-        out = tied_logits(hidden, params["embed"], matmul_impl)
+        out = tied_logits(hidden, params["embed"], matmul_impl, mesh)
     return out.astype(jnp.float32)
 
 
@@ -108,7 +110,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, meta: Attention
             kv_cache: tuple[jax.Array, jax.Array] | None = None):
     """Full forward: tokens [B, T] -> (logits [B, T, V] float32, kv_cache)."""
     hidden, kv_cache = forward_hidden(params, cfg, tokens, meta, kv_cache)
-    return logits_from_hidden(params, hidden, meta.matmul_impl, meta.interpret), kv_cache
+    return logits_from_hidden(params, hidden, meta.matmul_impl, meta.interpret, meta.mesh), kv_cache
 
 
 def reference_metadata(lengths: np.ndarray, T: int, cfg: ModelConfig) -> AttentionMetadata:

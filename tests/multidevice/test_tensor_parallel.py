@@ -1,0 +1,158 @@
+"""Tensor parallelism on CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4).
+
+Run by tests/test_tensor_parallel.py in a pytest session of its own, so that the rest of the
+suite keeps one device. The expected values are the engine's own at tensor_parallel_size 1:
+greedy tokens must be identical and log-probabilities equal within float32 rounding (the
+split changes the order of the row-parallel sums, nothing else).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from fakes import TOKENIZER_FILES
+from hf_models import build
+from jaxserve.checkpoint.convert import convert
+from jaxserve.engine.engine import LLM
+from jaxserve.engine.sequence import SamplingParams
+from jaxserve.layers import parallel
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (forced host) devices")
+
+SMALL = dict(max_num_seqs=4, max_model_len=128, decode_batch_buckets=(4,), context_buckets=(128,),
+             prefill_batch_buckets=(4,), prefill_length_buckets=(32,), num_pages=48, compilation_cache_dir=None)
+LOGPROB_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory, default_model_dir):
+    """Random tiny Llama, Mistral (a 5-token sliding window) and Qwen2 (qkv biases) models:
+    4 heads, 2 KV heads, 96 MLP units, 160 tokens; the default model's tokenizer beside them."""
+    root = tmp_path_factory.mktemp("tp-models")
+    dirs = {}
+    for variant in ("llama", "mistral-window", "qwen2"):
+        src, dst = root / f"{variant}-hf", root / variant
+        build(variant, seed=3).save_pretrained(src)
+        convert(src, dst, progress=False)
+        for name in TOKENIZER_FILES:
+            shutil.copy(default_model_dir / name, dst / name)
+        dirs[variant] = dst
+    return dirs
+
+
+def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, n).tolist() for n in (5, 17, 30, 9)]
+
+
+def _generate(model_dir, tp: int, prompts, **options):
+    llm = LLM(model_dir, tensor_parallel_size=tp, **{**SMALL, **options})
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, logprobs=5, ignore_eos=True))
+    return llm, [o.token_ids for o in outs], [[[lp for _, lp in t["top"]] for t in o.logprobs] for o in outs]
+
+
+def _assert_same(model_dir, tp: int, prompts, **options):
+    _, tokens_1, logprobs_1 = _generate(model_dir, 1, prompts, **options)
+    llm, tokens_n, logprobs_n = _generate(model_dir, tp, prompts, **options)
+    assert llm.engine.runner.mesh.size == tp
+    assert tokens_n == tokens_1
+    np.testing.assert_allclose(np.asarray(logprobs_n), np.asarray(logprobs_1), atol=LOGPROB_ATOL, rtol=0)
+    return llm
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral-window", "qwen2"])
+def test_tiny_families_at_2_devices_match_one(tiny_dirs, variant):
+    prompts = _prompts(160)
+    _assert_same(tiny_dirs[variant], 2, prompts)
+    if variant == "llama":  # int8 weights: per-channel scales split with column weights, whole with rows
+        _assert_same(tiny_dirs[variant], 2, prompts, quantization="int8")
+
+
+def test_pallas_kernels_run_per_shard(tiny_dirs):
+    """Paged attention and int8 matmul kernels (interpret mode) under shard_map: the same
+    tokens as the XLA path on one device."""
+    prompts = _prompts(160, seed=1)
+    _, want, _ = _generate(tiny_dirs["llama"], 1, prompts, quantization="int8")
+    _, got, _ = _generate(tiny_dirs["llama"], 2, prompts, quantization="int8", attention_impl="pallas",
+                          matmul_impl="pallas", interpret=True)
+    assert got == want
+
+
+@pytest.mark.parametrize("options", [{}, {"quantization": "int8"}], ids=["float32", "int8"])
+def test_default_model_at_3_devices_matches_one(default_model_dir, options):
+    """SmolLM2-135M's 9 heads and 3 KV heads over 3 devices; int8 KV pages and swapping too."""
+    from jaxserve.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_dir)
+    prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "Once upon a time",
+                                       "1, 2, 3, 4,")]
+    _assert_same(default_model_dir, 3, prompts, **options)
+
+
+def test_swap_and_int8_kv_under_tensor_parallelism(tiny_dirs):
+    """Few pages: sequences are preempted and swapped out and back (copies of sharded pages)."""
+    prompts = _prompts(160, seed=2)
+    opts = dict(num_pages=9, page_size=8, preemption_mode="swap", swap_space_gib=0.01, swap_min_tokens=1,
+                kv_cache_dtype="int8")
+    llm = _assert_same(tiny_dirs["llama"], 2, prompts, **opts)
+    assert llm.engine.scheduler.preemptions["swap"] > 0
+
+
+def test_each_device_holds_a_third_of_the_weights_and_the_kv_cache(default_model_dir):
+    llm = LLM(default_model_dir, tensor_parallel_size=3, **SMALL)
+    runner = llm.engine.runner
+    params, kv = runner.params, runner.kv_cache
+    total = sum(a.nbytes for a in jax.tree.leaves(params))
+    whole = sum(a.nbytes for a in jax.tree.leaves(params) if a.sharding.is_fully_replicated)
+    per_device = parallel.bytes_per_device(params)
+    assert sorted(per_device) == [0, 1, 2]
+    for held in per_device.values():
+        assert held == whole + (total - whole) // 3
+    assert whole < 0.001 * total  # only the norms are whole on every device
+    kv_bytes = sum(a.nbytes for a in kv)
+    assert set(parallel.bytes_per_device(kv).values()) == {kv_bytes // 3}
+    assert kv[0].shape[3] == 3 and kv[0].addressable_shards[0].data.shape[3] == 1  # one KV head each
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    comps, cur = {}, None
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%(\S+) \(", line)
+        if m and line.rstrip().endswith("{"):
+            cur = comps.setdefault(m.group(1), [])
+        elif line.startswith("}"):
+            cur = None
+        elif cur is not None:
+            cur.append(line)
+    return comps
+
+
+def test_compiled_decode_step_all_reduces_twice_per_layer_and_gathers_no_weight(default_model_dir):
+    llm = LLM(default_model_dir, tensor_parallel_size=3, **SMALL)
+    runner = llm.engine.runner
+    B, P = 4, runner.context_page_buckets[-1]
+    hlo = runner.executable((B, 0, P)).as_text()
+    comps = _computations(hlo)
+    L, D, V = runner.model_cfg.num_layers, runner.model_cfg.hidden_size, runner.model_cfg.vocab_size
+    bodies = [m.group(1) for lines in comps.values() for line in lines
+              if (m := re.search(rf'body=%(\S+),.*"known_trip_count":{{"n":"{L}"}}', line))]
+    assert len(bodies) == 1, "one loop over the layers"
+    reduces = [line for line in comps[bodies[0]] if re.search(r" all-reduce(-start)?\(", line)]
+    assert len(reduces) == 2 and all(f"f32[{B},1,{D}]" in line for line in reduces), reduces
+    gathers = [line for line in hlo.splitlines() if re.search(r" all-gather(-start)?\(", line)]
+    # the logits (each device computed its vocabulary shard), nothing else: no weight moves
+    assert gathers and all(re.search(rf"= f32\[{B},{V}\]", line) for line in gathers), gathers
+    # the per-device program's weights are a third of the model's
+    assert f"f32[{L},{D},{runner.model_cfg.num_heads * runner.model_cfg.head_dim // 3}]" in hlo
+
+
+def test_indivisible_heads_are_refused_with_the_numbers(tiny_dirs):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's 4 attention heads"):
+        LLM(tiny_dirs["llama"], tensor_parallel_size=3, **SMALL)
+    with pytest.raises(ValueError, match=r"needs 8 devices; this process sees 4"):
+        LLM(tiny_dirs["llama"], tensor_parallel_size=8, **SMALL)
