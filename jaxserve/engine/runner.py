@@ -158,7 +158,10 @@ class ModelRunner:
     """Owns the parameters, the KV cache and the compiled step executables."""
 
     def __init__(self, model_cfg: ModelConfig, params: dict, cfg: EngineConfig, num_pages: int,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, target: jax.sharding.Sharding | None = None):
+        """`target`: compile ahead of time for another device (scripts/gpu_aot.py: a GPU described
+        by a compile-only topology), placing every input there; params are ShapeDtypeStructs with
+        that sharding and the KV cache stays abstract. Such a runner compiles but never runs."""
         self.model_cfg, self.cfg = model_cfg, cfg
         # Tensor parallelism (layers/parallel.py): weights and KV cache split over `mesh` by heads;
         # every other input and output of a call is replicated. None: one device, no shardings.
@@ -185,8 +188,15 @@ class ModelRunner:
         init = functools.partial(init_kv_cache, model_cfg.num_layers, num_pages, cfg.page_size,
                                  model_cfg.num_kv_heads, model_cfg.head_dim, cfg.dtype, cfg.kv_cache_dtype)
         # Under tensor parallelism each device creates only its KV heads' share of the pages.
-        self.kv_cache = init() if mesh is None else jax.jit(init, out_shardings=parallel.kv_shardings(
-            jax.eval_shape(init), mesh))()
+        if target is not None:
+            self.kv_cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target),
+                                         jax.eval_shape(init))
+        elif mesh is None:
+            self.kv_cache = init()
+        else:
+            self.kv_cache = jax.jit(init, out_shardings=parallel.kv_shardings(jax.eval_shape(init), mesh))()
+        # where a call's host inputs go: replicated over the mesh, on the AOT target, or jax's default
+        self.input_sharding = target if target is not None else None if mesh is None else parallel.replicated(mesh)
         self._jitted = self._jit(self._step)
         self._jitted_decode = self._jit(self._decode_step)
         self._jitted_verify = self._jit(self._verify_step)
@@ -370,7 +380,7 @@ class ModelRunner:
 
     def _sds(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
         """An abstract host input of a call: replicated over the mesh under tensor parallelism."""
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=None if self.mesh is None else parallel.replicated(self.mesh))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.input_sharding)
 
     def _abstract_args(self, B: int, T: int, P: int):
         i32, f32 = jnp.int32, jnp.float32

@@ -50,15 +50,19 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, vocab, n).tolist() for n in (5, 17, 30, 9)]
 
 
-def _generate(model_dir, tp: int, prompts, **options):
-    llm = LLM(model_dir, tensor_parallel_size=tp, **{**SMALL, **options})
+def _llm(model_dir, tp: int, **options) -> LLM:
+    return LLM(model_dir, tensor_parallel_size=tp, **{**SMALL, **options})
+
+
+def _generate(llm: LLM, prompts):
+    """Greedy tokens and the top-5 log-probabilities at every step."""
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, logprobs=5, ignore_eos=True))
     return llm, [o.token_ids for o in outs], [[[lp for _, lp in t["top"]] for t in o.logprobs] for o in outs]
 
 
-def _assert_same(model_dir, tp: int, prompts, **options):
-    _, tokens_1, logprobs_1 = _generate(model_dir, 1, prompts, **options)
-    llm, tokens_n, logprobs_n = _generate(model_dir, tp, prompts, **options)
+def _assert_same(model_dir, tp: int, prompts, llm: LLM | None = None, **options):
+    _, tokens_1, logprobs_1 = _generate(_llm(model_dir, 1, **options), prompts)
+    llm, tokens_n, logprobs_n = _generate(llm or _llm(model_dir, tp, **options), prompts)
     assert llm.engine.runner.mesh.size == tp
     assert tokens_n == tokens_1
     np.testing.assert_allclose(np.asarray(logprobs_n), np.asarray(logprobs_1), atol=LOGPROB_ATOL, rtol=0)
@@ -77,21 +81,27 @@ def test_pallas_kernels_run_per_shard(tiny_dirs):
     """Paged attention and int8 matmul kernels (interpret mode) under shard_map: the same
     tokens as the XLA path on one device."""
     prompts = _prompts(160, seed=1)
-    _, want, _ = _generate(tiny_dirs["llama"], 1, prompts, quantization="int8")
-    _, got, _ = _generate(tiny_dirs["llama"], 2, prompts, quantization="int8", attention_impl="pallas",
-                          matmul_impl="pallas", interpret=True)
+    _, want, _ = _generate(_llm(tiny_dirs["llama"], 1, quantization="int8"), prompts)
+    _, got, _ = _generate(_llm(tiny_dirs["llama"], 2, quantization="int8", attention_impl="pallas",
+                               matmul_impl="pallas", interpret=True), prompts)
     assert got == want
 
 
+@pytest.fixture(scope="module")
+def default_tp3(default_model_dir) -> LLM:
+    """The default model over 3 devices, float32."""
+    return _llm(default_model_dir, 3)
+
+
 @pytest.mark.parametrize("options", [{}, {"quantization": "int8"}], ids=["float32", "int8"])
-def test_default_model_at_3_devices_matches_one(default_model_dir, options):
-    """SmolLM2-135M's 9 heads and 3 KV heads over 3 devices; int8 KV pages and swapping too."""
+def test_default_model_at_3_devices_matches_one(default_model_dir, default_tp3, options):
+    """SmolLM2-135M's 9 heads and 3 KV heads over 3 devices, float32 and int8 weights."""
     from jaxserve.tokenizer import Tokenizer
 
     tok = Tokenizer(default_model_dir)
     prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):", "Once upon a time",
                                        "1, 2, 3, 4,")]
-    _assert_same(default_model_dir, 3, prompts, **options)
+    _assert_same(default_model_dir, 3, prompts, None if options else default_tp3, **options)
 
 
 def test_swap_and_int8_kv_under_tensor_parallelism(tiny_dirs):
@@ -103,9 +113,8 @@ def test_swap_and_int8_kv_under_tensor_parallelism(tiny_dirs):
     assert llm.engine.scheduler.preemptions["swap"] > 0
 
 
-def test_each_device_holds_a_third_of_the_weights_and_the_kv_cache(default_model_dir):
-    llm = LLM(default_model_dir, tensor_parallel_size=3, **SMALL)
-    runner = llm.engine.runner
+def test_each_device_holds_a_third_of_the_weights_and_the_kv_cache(default_tp3):
+    runner = default_tp3.engine.runner
     params, kv = runner.params, runner.kv_cache
     total = sum(a.nbytes for a in jax.tree.leaves(params))
     whole = sum(a.nbytes for a in jax.tree.leaves(params) if a.sharding.is_fully_replicated)
@@ -132,9 +141,8 @@ def _computations(hlo: str) -> dict[str, list[str]]:
     return comps
 
 
-def test_compiled_decode_step_all_reduces_twice_per_layer_and_gathers_no_weight(default_model_dir):
-    llm = LLM(default_model_dir, tensor_parallel_size=3, **SMALL)
-    runner = llm.engine.runner
+def test_compiled_decode_step_all_reduces_twice_per_layer_and_gathers_no_weight(default_tp3):
+    runner = default_tp3.engine.runner
     B, P = 4, runner.context_page_buckets[-1]
     hlo = runner.executable((B, 0, P)).as_text()
     comps = _computations(hlo)
