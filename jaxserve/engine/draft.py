@@ -77,12 +77,12 @@ class DraftRunner(ModelRunner):
     def _label(self, key: tuple[int, int, int]) -> str:
         return f"draft propose B={key[0]} P={key[2]}" if key[1] < 0 else "draft " + super()._label(key)
 
-    def _compile(self, key: tuple[int, int, int]):
+    def _lower(self, key: tuple[int, int, int]):
         if key[1] > 0:
-            return super()._compile(key)
+            return super()._lower(key)
         params, kv, feed, samp = self._abstract_args(*key)
         inp = ProposeInputs(feed=feed, alloc=self._sds((key[0],), jnp.int32))
-        return self._jitted_propose.lower(params, kv, inp, samp).compile()
+        return self._jitted_propose.lower(params, kv, inp, samp)
 
     def _propose_step(self, params, kv_cache, inp: ProposeInputs, sampling: SamplingArrays):
         """Feed inp.feed, then draw k drafts, each fed back to draw the next (the last is not

@@ -51,7 +51,7 @@ from jaxserve.engine.sampler import (NUM_TOP_LOGPROBS, SampleOutput, SamplingArr
 from jaxserve.engine.sequence import SamplingParams, Sequence
 from jaxserve.engine.speculative import ACCEPT_STREAM, accept_drafts, accepted_lengths
 from jaxserve.layers import parallel
-from jaxserve.layers.attention import AttentionMetadata, init_kv_cache
+from jaxserve.layers.attention import AttentionMetadata, init_kv_cache, pallas_reads_kv
 from jaxserve.layers.linear import resolve as resolve_impl
 from jaxserve.models import family
 
@@ -172,6 +172,15 @@ class ModelRunner:
         self.params = params
         self.model = family(model_cfg)
         self.attention_impl = resolve_impl(cfg.attention_impl)
+        device = next(iter(target.device_set)) if target is not None else \
+            mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
+        if self.attention_impl == "pallas" and not pallas_reads_kv(cfg.kv_cache_dtype, device):
+            why = (f"the Pallas attention kernels cannot read {cfg.kv_cache_dtype} KV pages on {device.device_kind} "
+                   f"(compute capability {device.compute_capability}; float8 e4m3 needs 8.9)")
+            if cfg.attention_impl != "auto":
+                raise ValueError(f"{why}: use kv_cache_dtype int8 or fp8_e5m2, or attention_impl xla")
+            log.warning("%s: attention runs on XLA", why)
+            self.attention_impl = "xla"
         self.matmul_impl = "w8a8" if cfg.quantization == "w8a8" else resolve_impl(cfg.matmul_impl)
         self.num_pages = num_pages
         self.page_size = cfg.page_size
@@ -411,12 +420,16 @@ class ModelRunner:
         return f"decode B={B} P={P}" if T == 0 else f"verify B={B} T={-T} P={P}" if T < 0 \
             else f"prefill B={B} T={T} P={P}"
 
-    def _compile(self, key: tuple[int, int, int]):
+    def _lower(self, key: tuple[int, int, int]):
+        """The step of bucket `key` lowered for the abstract arguments (jax.stages.Lowered)."""
         fn = self._jitted_decode if key[1] == 0 else self._jitted_verify if key[1] < 0 else self._jitted
         args = self._abstract_args(*key)
         if key[1] < 0 and self.judges_drafts:  # a draft model's distributions [B, k, V]
             args += (self._sds((key[0], -key[1] - 1, self.model_cfg.vocab_size), jnp.float32),)
-        return fn.lower(*args).compile()
+        return fn.lower(*args)
+
+    def _compile(self, key: tuple[int, int, int]):
+        return self._lower(key).compile()
 
     def warmup(self) -> float:
         """Compile every bucket ahead of time; returns the seconds it took."""

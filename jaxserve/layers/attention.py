@@ -72,6 +72,16 @@ def kv_storage(kv_cache_dtype: str, dtype: str) -> tuple[jnp.dtype, int]:
     return jnp.dtype(dtype), 0
 
 
+def pallas_reads_kv(kv_cache_dtype: str, device) -> bool:
+    """Whether the Pallas kernels can read this KV storage on `device`: Triton converts float8
+    e4m3 only from compute capability 8.9 (Ada, Hopper); an A100 (8.0) aborts the compiler
+    (found by compiling for sm_80 ahead of time: jaxserve/aot.py). e5m2 and int8 compile there."""
+    cc = getattr(device, "compute_capability", None)
+    if kv_cache_dtype != "fp8_e4m3" or cc is None:
+        return True
+    return tuple(int(x) for x in str(cc).split(".")[:2]) >= (8, 9)
+
+
 def init_kv_cache(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: str,
                   kv_cache_dtype: str = "auto") -> tuple[jax.Array, ...]:
     """Zeroed pages: (k, v) [L, NP, PS, K, D], plus (k_scale, v_scale) [L, NP, PS, K] for int8."""

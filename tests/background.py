@@ -1,0 +1,70 @@
+"""Subprocess checks that start when collection finishes and run beside the suite.
+
+Two tests run a whole program in a subprocess of their own: the tensor-parallel suite on four
+forced CPU devices (tests/test_tensor_parallel.py) and the GPU ahead-of-time compiles in the
+CUDA plugin's environment (tests/test_gpu_aot.py), together about three minutes of CPU. They
+start as soon as pytest has collected them, at the lowest CPU priority (nice 19), so they take
+the cycles the other tests leave idle (server start-ups, HTTP round trips, Ray) instead of
+adding their time to the suite's; the test waits for its job and judges its output. A job whose
+test was not collected never starts; one still running at the end is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+AOT_PYTHON = ROOT / ".venv-gpu-aot" / "bin" / "python"
+
+
+class Job:
+    def __init__(self, test_file: str, argv: list[str], env: dict[str, str] | None = None):
+        self.test_file, self.argv, self.env = test_file, argv, env
+        self._proc: subprocess.Popen | None = None
+        self._out = self._err = None
+
+    def start(self) -> None:
+        if self._proc is None:
+            self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            self._proc = subprocess.Popen(["nice", "-n", "19", *self.argv], cwd=ROOT, stdout=self._out,
+                                          stderr=self._err, env=dict(os.environ, **(self.env or {})))
+
+    def result(self, timeout: float) -> subprocess.CompletedProcess:
+        """Wait for the job (started now if collection did not start it) and return its output."""
+        self.start()
+        rc = self._proc.wait(timeout=timeout)
+        self._out.seek(0), self._err.seek(0)
+        return subprocess.CompletedProcess(self.argv, rc, self._out.read(), self._err.read())
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def _xla_flags(n: int) -> str:
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
+
+
+JOBS = {
+    "tensor_parallel": Job("test_tensor_parallel.py",
+                           [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
+                            str(ROOT / "tests" / "multidevice")], {"XLA_FLAGS": _xla_flags(4)}),
+    "gpu_aot": Job("test_gpu_aot.py", [str(AOT_PYTHON), str(ROOT / "scripts" / "gpu_aot_check.py")]),
+}
+
+
+def start_collected(items) -> None:
+    files = {Path(str(item.fspath)).name for item in items}
+    for job in JOBS.values():
+        if job.test_file in files and (job is not JOBS["gpu_aot"] or AOT_PYTHON.exists()):
+            job.start()
+
+
+def stop_all() -> None:
+    for job in JOBS.values():
+        job.stop()
