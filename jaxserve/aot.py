@@ -12,7 +12,10 @@ and `JAX_PLATFORMS=cpu`, a compile-only topology built from a GpuTargetConfigPro
     for case in cases: case.compile()    # a failure names the case, the target and the message
 
 scripts/gpu_aot_check.py runs them (the test in tests/test_gpu_aot.py, from `make test`);
-scripts/gpu_aot_report.py adds the compiler's memory analysis and a roofline model per bucket.
+scripts/gpu_aot_report.py adds the compiler's memory analysis and `roofline`'s model per bucket.
+Those scripts set the two environment variables before jax starts (`compile_only_environment`);
+on a machine with a GPU this module only models (scripts/device_e2e.py prints `roofline` beside
+measured step times).
 """
 
 from __future__ import annotations
@@ -23,25 +26,34 @@ import os
 from pathlib import Path
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU here: the plugin registers, compile-only
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.pages import kv_bytes_per_page, pages_for_budget
+from jaxserve.layers.attention import kv_storage, pallas_reads_kv
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
-from jaxserve.engine.pages import kv_bytes_per_page, pages_for_budget  # noqa: E402
-from jaxserve.layers.attention import kv_storage, pallas_reads_kv  # noqa: E402
+def compile_only_environment() -> None:
+    """Before jax starts, on a machine without a GPU: the CUDA plugin registers without a driver
+    and jax computes on the CPU; GPU devices come only from compile-only topologies."""
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # read when the plugin initialises
+    jax.config.update("jax_platforms", "cpu")  # before any backend starts (JAX_PLATFORMS was read at import)
 
 TARGETS_DIR = Path(__file__).resolve().parent.parent / "configs" / "gpu_targets"
 TARGETS = {"sm_80": "a100_80gb_sxm.txtpb", "sm_90": "h100_80gb_sxm.txtpb"}
-# Published peaks for the roofline model (datasheets: dense tensor-core bfloat16 and int8, HBM).
-PEAKS = {"sm_80": dict(bf16_flops=312e12, int8_ops=624e12, hbm_bytes=2.039e12),
-         "sm_90": dict(bf16_flops=989e12, int8_ops=1979e12, hbm_bytes=3.35e12)}
+# Published peaks for the roofline model (datasheets: dense tensor-core bfloat16, HBM bandwidth),
+# by device kind as the driver names it (the first that occurs in it); the targets' are the first two.
+PEAKS = {"A100": dict(bf16_flops=312e12, hbm_bytes=2.039e12), "H100": dict(bf16_flops=989e12, hbm_bytes=3.35e12),
+         "H200": dict(bf16_flops=989e12, hbm_bytes=4.8e12)}
+TARGET_KIND = {"sm_80": "A100", "sm_90": "H100"}
+
+
+def peaks(device_kind: str) -> dict | None:
+    return next((p for kind, p in PEAKS.items() if kind in device_kind), None)
 
 # Real models' shapes (HF config keys); weights are abstract, nothing is loaded.
 MODELS = {
@@ -267,3 +279,30 @@ def extreme_buckets(keys: list[tuple[int, int, int]]) -> list[tuple[int, int, in
     picks = [max(decode, key=lambda k: (k[0], k[2])), max(prefill, key=lambda k: (k[0] * k[1], k[2])),
              min(decode, key=lambda k: (k[0], k[2]))]
     return list(dict.fromkeys(picks))
+
+
+# The roofline model ---------------------------------------------------------------------------
+
+def roofline(runner, key: tuple[int, int, int], peak: dict) -> dict:
+    """A lower bound of one step's time for bucket key = (B, T, P) (T = 0: one decode step) on a
+    device with `peak` (PEAKS): max(flops / peak FLOP/s, bytes / bandwidth). Bytes: the matmul
+    weights read once (an untied embedding is only gathered) and every row's K/V over the
+    bucket's whole context; flops: 2 per matmul weight per row, 4 * heads * head_dim per row,
+    context slot and layer for attention, and the logits of one row per sequence. A model, not a
+    measurement; tokens/s is the rows a step makes over that time."""
+    cfg, ecfg = runner.model_cfg, runner.cfg
+    B, T, P_ = key
+    rows, S = B * max(T, 1), P_ * ecfg.page_size
+    L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    Hq, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    layer_weights = L * (D * Hq * Dh + 2 * D * K * Dh + Hq * Dh * D + 3 * D * F)
+    weight_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for path, a in
+                       jax.tree_util.tree_leaves_with_path(runner.params)
+                       if path[0].key != "embed" or cfg.tie_word_embeddings)
+    store, scale_bytes = kv_storage(ecfg.kv_cache_dtype, ecfg.dtype)
+    kv_bytes = B * S * L * 2 * K * (Dh * store.itemsize + scale_bytes)
+    flops = 2 * rows * layer_weights + 2 * B * D * V + 4 * rows * L * Hq * Dh * S
+    t_compute, t_memory = flops / peak["bf16_flops"], (weight_bytes + kv_bytes) / peak["hbm_bytes"]
+    t = max(t_compute, t_memory)
+    return dict(gflop=flops / 1e9, gbytes=(weight_bytes + kv_bytes) / 1e9, model_ms=t * 1e3, tok_s=rows / t,
+                bound="compute" if t_compute > t_memory else "memory")

@@ -4,7 +4,9 @@
 # attention over int8 KV pages against bf16 ones among its rows), and end-to-end generation with the
 # Pallas kernels against XLA at SmolLM2-135M and Llama-3-8B shapes (random weights: no
 # checkpoint is carried), then the same split over every GPU where there are several (tensor
-# parallelism; skipped with a message on one). Everything goes to one results file; it should finish in < 8 min.
+# parallelism; skipped with a message on one). Beside each measured decode step time, jaxserve/aot.py's
+# roofline model of it (BENCHMARKS.md, "GPU steps compiled without a GPU"). Everything goes to one
+# results file; it should finish in < 8 min.
 #
 #   scripts/device_check.sh [RESULTS_FILE]     (default: $OUT/device_results.txt or ./device_results.txt)
 set -uo pipefail

@@ -79,7 +79,20 @@ def generate(cfg: ModelConfig, params: dict, dtype: str, impl: str, interpret: b
         step_times.append(time.perf_counter() - t0)
         for s, t in zip(seqs, out.tokens[:, 0]):
             s.output_ids.append(int(t))
-    return [s.output_ids for s in seqs], float(np.median(step_times[1:] or step_times))
+    return [s.output_ids for s in seqs], float(np.median(step_times[1:] or step_times)), modeled_ms(runner, items)
+
+
+def modeled_ms(runner, items) -> float | None:
+    """jaxserve/aot.py's roofline lower bound of the last decode call's bucket on this device
+    (None where its peaks are not known, e.g. a CPU): the model checked against the measurement."""
+    from jaxserve import aot
+
+    peak = aot.peaks(jax.devices()[0].device_kind)
+    if peak is None:
+        return None
+    B = next(b for b in runner.decode_batches if b >= len(items))
+    P = next(p for p in runner.context_page_buckets if p * runner.page_size >= max(it.start for it in items) + 1)
+    return aot.roofline(runner, (B, 0, P), peak)["model_ms"]
 
 
 def main() -> int:
@@ -105,17 +118,18 @@ def main() -> int:
         prompts = [rng.integers(10, cfg.vocab_size - 10, n).tolist() for n in (5, 17, 40, 64)]
         for weights, p in (("float", params), ("int8", quantize_params(params, "int8"))):
             tp = args.tensor_parallel
-            base, t_one = generate(cfg, p, dtype, "xla", False, prompts, args.tokens)
+            base, t_one, _ = generate(cfg, p, dtype, "xla", False, prompts, args.tokens)
             runs = {"pallas": generate(cfg, p, dtype, "pallas", args.interpret, prompts, args.tokens, tp)}
             if tp > 1:
                 runs["xla"] = generate(cfg, p, dtype, "xla", False, prompts, args.tokens, tp)
-            for impl, (got, t) in runs.items():
+            for impl, (got, t, model) in runs.items():
                 same = sum(a == b for x, y in zip(base, got) for a, b in zip(x, y))
                 total = sum(len(x) for x in base)
                 ok &= same == total
                 where = f" on {tp} devices" if tp > 1 else ""
                 print(f"{name} {weights:>5}: {impl}{where} tokens equal xla on one device {same}/{total}; "
-                      f"decode step B=4 xla (one device) {t_one * 1e3:.2f} ms, {impl}{where} {t * 1e3:.2f} ms")
+                      f"decode step B=4 xla (one device) {t_one * 1e3:.2f} ms, {impl}{where} {t * 1e3:.2f} ms"
+                      + (f" (roofline model of the bucket on one device: {model:.3f} ms)" if model else ""))
     return 0 if ok else 1
 
 

@@ -24,7 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaxserve import aot  # noqa: E402  (sets JAX_PLATFORMS before jax starts)
+from jaxserve import aot  # noqa: E402
+
+aot.compile_only_environment()  # before any backend starts
 
 
 def cases(targets: list[str], kernels: str, steps: str, int8_blocks: tuple[int, int, int] | None) -> list[aot.Case]:

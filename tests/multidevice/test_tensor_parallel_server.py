@@ -4,12 +4,12 @@ passes the API's streaming tests of tests/test_server.py, run here against this 
 from __future__ import annotations
 
 import jax
-import openai
 import pytest
 
-from jaxserve.tokenizer import Tokenizer
 from server_proc import ServerProcess
-from test_server import test_chat_whole_and_streamed_agree, test_completions_whole_streamed_and_batched  # noqa: F401
+# the tests, and their client, model and tokenizer fixtures (over this module's `server`)
+from test_server import (client, model, test_chat_whole_and_streamed_agree,  # noqa: F401
+                         test_completions_whole_streamed_and_batched, tok)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (forced host) devices")
 
@@ -35,21 +35,6 @@ def server(default_model_dir, tmp_path_factory):
     srv = ServerProcess(default_model_dir, work, CONFIG.format(cache=work / "xla"), ("--tensor-parallel-size", "3"))
     yield srv
     srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def tok(default_model_dir):
-    return Tokenizer(default_model_dir)
 
 
 def test_the_server_runs_on_three_devices(server):
