@@ -271,14 +271,13 @@ def step_cases(tname: str, model: str, weights: str, engine: EngineConfig | None
 
 
 def extreme_buckets(keys: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """The buckets where a step's temporaries peak and where its tiles are smallest: the largest
-    decode batch at the widest context, the largest prefill batch x chunk at the widest
-    context, and one decode row at the narrowest context."""
+    """The buckets where a step's temporaries peak: the largest decode batch and the largest
+    prefill batch x chunk, each at the widest context. (Smaller buckets change the kernels'
+    grids, not their blocks, which kernel_cases compiles at one row too; `make gpu-aot`
+    compiles every bucket.)"""
     decode = [k for k in keys if k[1] == 0]
     prefill = [k for k in keys if k[1] > 0]
-    picks = [max(decode, key=lambda k: (k[0], k[2])), max(prefill, key=lambda k: (k[0] * k[1], k[2])),
-             min(decode, key=lambda k: (k[0], k[2]))]
-    return list(dict.fromkeys(picks))
+    return [max(decode, key=lambda k: (k[0], k[2])), max(prefill, key=lambda k: (k[0] * k[1], k[2]))]
 
 
 # The roofline model ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ One line per compilation ("ok TARGET SECONDS NAME"), "FAIL TARGET NAME: MESSAGE"
 the compiler refuses, a summary, exit status 1 if any failed. --steps extremes (the default, what
 `make test` runs: about two minutes on two cores) compiles each model's and weights' extreme step
 buckets (aot.extreme_buckets); --steps all every bucket of the engine's default configuration
-(about 2.6 s each: some 13 minutes). --int8-blocks adds an int8 matmul with those block sizes at
+(about 3 s each on two cores: some 15 minutes). --int8-blocks adds an int8 matmul with those block sizes at
 the 8B model's largest projection (a way to see the check fail: 256,512,512 needs 1.5 MiB of
 shared memory).
 """
