@@ -101,3 +101,19 @@ def test_int8_kv_engine_is_batch_invariant_prefix_cached_and_swappable(tiny_mode
                                                   "enable_prefix_caching": False}))
     assert run(swap, prompts, params) == batched
     assert swap.scheduler.preemptions["swap"] > 0
+
+
+def test_fp8_e4m3_pages_go_to_the_pallas_kernels_only_from_compute_capability_8_9():
+    """Triton cannot convert float8 e4m3 on an A100 (sm_80: its compiler aborts, found by
+    tests/test_gpu_aot.py's compiles), so the runner keeps such a cache on XLA attention there."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from jaxserve.layers.attention import pallas_reads_kv
+
+    a100, l40, h100 = (SimpleNamespace(compute_capability=c) for c in ("8.0", "8.9", "9.0"))
+    assert not pallas_reads_kv("fp8_e4m3", a100)
+    assert pallas_reads_kv("fp8_e4m3", l40) and pallas_reads_kv("fp8_e4m3", h100)
+    assert all(pallas_reads_kv(kv, a100) for kv in ("auto", "int8", "fp8_e5m2"))
+    assert pallas_reads_kv("fp8_e4m3", jax.devices()[0])  # a CPU (interpret mode) has no such limit

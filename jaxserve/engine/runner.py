@@ -159,8 +159,8 @@ class ModelRunner:
 
     def __init__(self, model_cfg: ModelConfig, params: dict, cfg: EngineConfig, num_pages: int,
                  mesh: Mesh | None = None, target: jax.sharding.Sharding | None = None):
-        """`target`: compile ahead of time for another device (scripts/gpu_aot.py: a GPU described
-        by a compile-only topology), placing every input there; params are ShapeDtypeStructs with
+        """`target`: compile ahead of time for another device (a GPU described
+        by a compile-only topology: jaxserve/aot.py), placing every input there; params are ShapeDtypeStructs with
         that sharding and the KV cache stays abstract. Such a runner compiles but never runs."""
         self.model_cfg, self.cfg = model_cfg, cfg
         # Tensor parallelism (layers/parallel.py): weights and KV cache split over `mesh` by heads;
