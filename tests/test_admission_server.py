@@ -65,7 +65,7 @@ def _idle(server) -> dict:
 
 
 def test_ten_times_capacity_completes_or_is_refused_with_retry_after(server):
-    """500 concurrent requests against 16 waiting and 24 in flight: each is the right answer or a 503 / 429
+    """500 concurrent requests against 16 waiting and 24 in flight: each is the right answer or a 503
     with Retry-After and OpenAI's error shape; the process stays up, its memory bounded, and
     afterwards nothing runs, waits or holds pages."""
     url = f"{server.url}/v1/chat/completions"
@@ -85,7 +85,9 @@ def test_ten_times_capacity_completes_or_is_refused_with_retry_after(server):
 
     results = asyncio.run(burst())
     codes = [r.status_code for _, r in results]
-    assert set(codes) <= {200, 429, 503}, sorted(set(codes))
+    # key-load has no rate limit or token quota, so no 429 can be right here: only the answer or
+    # a full queue / in-flight cap (503), which the counts below must add up to
+    assert set(codes) <= {200, 503}, sorted(set(codes))
     for prompt, r in results:
         if r.status_code == 200:
             assert r.json()["choices"][0]["message"]["content"] == expected[prompt]

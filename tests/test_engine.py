@@ -165,8 +165,9 @@ def test_invalid_requests_are_refused_clearly(engine):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_small_page_pool_completes_everything(tiny_model_dir, mode):
     """12 pages of 16 tokens cannot hold eight 40-70 token requests at once: the scheduler waits
-    and preempts (by recompute, or by swapping pages to host memory and back), and each greedy
-    output equals the one from an ample pool that never preempts."""
+    and preempts (by recompute, or by swapping pages to host memory and back, within a 5-page
+    swap space whose use is checked after every step), and each greedy output equals the one
+    from an ample pool that never preempts."""
     opts = dict(max_num_seqs=8, decode_batch_buckets=(1, 8), context_buckets=(128,), max_model_len=128,
                 prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
     rng = random.Random(5)
@@ -175,13 +176,28 @@ def test_small_page_pool_completes_everything(tiny_model_dir, mode):
     ample = LLM(tiny_model_dir, **opts)
     expected = ample.generate(prompts, params)
     assert ample.engine.scheduler.num_preemptions == 0
-    small = LLM(tiny_model_dir, num_pages=12, preemption_mode=mode, swap_space_gib=0.01, **opts)
-    outs = small.generate(prompts, params)
-    sched = small.engine.scheduler
-    assert sched.preemptions[mode] > 0 and sched.num_preemptions == sched.preemptions[mode]
-    assert [o.finish_reason for o in outs] == ["length"] * 8
-    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
-    assert small.engine.pool.num_used == 0 and sched.swap_used == 0 and not sched.swapped
+    # Swap space for 5 pages: a sequence holds up to 5, so swapping is rationed (the rest recompute).
+    swap_gib = 5 * ample.engine.page_bytes / 2**30
+    eng = LLM(tiny_model_dir, num_pages=12, preemption_mode=mode, swap_space_gib=swap_gib, **opts).engine
+    sched = eng.scheduler
+    assert sched.cfg.swap_pages == (5 if mode == "swap" else 0)
+    seqs = [eng.add_request(p, params) for p in prompts]
+    most = 0
+    while eng.has_unfinished:
+        eng.step()
+        # swap bookkeeping: the space used is the swapped sequences' host pages, within the budget
+        assert sched.swap_used == sum(s.swap_pages for s in sched.swapped) <= sched.cfg.swap_pages
+        for s in sched.swapped:
+            assert {a.shape[1] for a in jax.tree.leaves(s.swap_data)} == {s.swap_pages}
+        most = max(most, sched.swap_used)
+    assert sched.preemptions[mode] > 0
+    if mode == "recompute":
+        assert sched.num_preemptions == sched.preemptions[mode] and most == 0
+    else:
+        assert 0 < most <= 5
+    assert [s.finish_reason for s in seqs] == ["length"] * 8
+    assert [s.output_ids for s in seqs] == [o.token_ids for o in expected]
+    assert eng.pool.num_used == 0 and sched.swap_used == 0 and not sched.swapped
 
 
 def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
@@ -199,10 +215,14 @@ def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["prompt"] for r in rows] == ["The sky is", "One, two,", "Hello"]
-    assert all(1 <= r["completion_tokens"] <= m for r, m in zip(rows, [5, 3, 5]))  # per-line max_tokens
+    # every row equals its prompt through LLM.generate with the line's options (per-line max_tokens, stop)
     llm = LLM(tiny_model_dir, max_num_seqs=4, compilation_cache_dir=None)
-    want = llm.generate(["The sky is"], SamplingParams(max_tokens=5, temperature=0))[0]
-    assert rows[0]["text"] == want.text
+    want = llm.generate(["The sky is", "One, two,", "Hello"],
+                        [SamplingParams(max_tokens=5, temperature=0), SamplingParams(max_tokens=3, temperature=0),
+                         SamplingParams(max_tokens=5, temperature=0, stop=("zz",))])
+    assert [(r["text"], r["completion_tokens"], r["finish_reason"]) for r in rows] == \
+        [(w.text, len(w.token_ids), w.finish_reason) for w in want]
+    assert [len(w.token_ids) for w in want] == [5, 3, 5]  # the tiny model runs to max_tokens: the caps show
     assert "generated tok/s" in proc.stderr
     bad = tmp_path / "bad.txt"
     bad.write_text('{"prompt": "x"\n')

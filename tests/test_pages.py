@@ -140,6 +140,34 @@ def test_an_urgent_arrival_skips_the_decode_turn_and_goes_before_a_long_prompts_
     assert step() == [("urgent", 1), ("stream", 1)]
 
 
+def test_a_device_that_reports_memory_gets_the_fraction_of_what_is_free(monkeypatch):
+    """A GPU-like device (memory_stats with a 10 GiB limit, 2 GiB in use by the weights): the
+    budget is exactly the fraction of the 8 GiB left, and kv_cache_memory_gib is ignored."""
+    import jax
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import engine
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 10 * 2**30, "bytes_in_use": 2 * 2**30}
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [Device()])
+    assert engine.kv_budget_bytes(EngineConfig(kv_cache_memory_gib=0.5, kv_cache_memory_fraction=0.25)) == 2 * 2**30
+    assert engine.kv_budget_bytes(EngineConfig(kv_cache_memory_gib=0.5)) == 2**29  # no fraction: the GiB
+
+
+def test_the_kv_capacity_refusal_names_the_capacity_at_its_exact_edge():
+    from jaxserve.engine.limits import RequestLimits
+    from jaxserve.engine.sequence import InvalidRequest
+
+    limits = RequestLimits(vocab_size=100, max_model_len=4096, pool_tokens=64)
+    limits.check_request(list(range(10)), 54)  # 64 tokens: exactly what the cache holds
+    with pytest.raises(InvalidRequest, match=r"^the KV cache holds 64 tokens; the prompt has 10 tokens and "
+                                             r"max_tokens is 55$"):
+        limits.check_request(list(range(10)), 55)
+
+
 def test_kv_budget_from_gib_or_a_fraction_of_device_memory():
     """CPUs report no memory size, so a fraction falls back to the GiB budget; a bad fraction is refused."""
     import jax
@@ -148,12 +176,9 @@ def test_kv_budget_from_gib_or_a_fraction_of_device_memory():
     from jaxserve.engine.engine import kv_budget_bytes
 
     assert kv_budget_bytes(EngineConfig(kv_cache_memory_gib=0.5)) == 2**29
-    stats = jax.local_devices()[0].memory_stats() or {}
+    assert jax.local_devices()[0].memory_stats() is None  # this CPU reports nothing: the GiB budget
     cfg = EngineConfig(kv_cache_memory_gib=0.5, kv_cache_memory_fraction=0.5)
-    if "bytes_limit" in stats:
-        assert 0 < kv_budget_bytes(cfg) < stats["bytes_limit"]
-    else:
-        assert kv_budget_bytes(cfg) == 2**29
+    assert kv_budget_bytes(cfg) == 2**29
     for bad in (0.0, 1.0, 1.5):
         with pytest.raises(ConfigError, match="kv_cache_memory_fraction"):
             EngineConfig(kv_cache_memory_fraction=bad)
