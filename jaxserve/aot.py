@@ -8,7 +8,7 @@ from a description of the target. With jax's CUDA plugin installed (its own envi
 and `JAX_PLATFORMS=cpu`, a compile-only topology built from a GpuTargetConfigProto
 (configs/gpu_targets/*.txtpb) gives a device that `jit(...).lower(...).compile()` targets.
 
-    cases = kernel_cases(target("sm_90")) + step_cases(target("sm_90"), "llama-3-8b", "int8")
+    cases = kernel_cases("sm_90") + step_cases("sm_90", "llama-3-8b", "int8")
     for case in cases: case.compile()    # a failure names the case, the target and the message
 
 scripts/gpu_aot_check.py runs them (the test in tests/test_gpu_aot.py, from `make test`);
@@ -43,6 +43,7 @@ def compile_only_environment() -> None:
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # read when the plugin initialises
     jax.config.update("jax_platforms", "cpu")  # before any backend starts (JAX_PLATFORMS was read at import)
 
+
 TARGETS_DIR = Path(__file__).resolve().parent.parent / "configs" / "gpu_targets"
 TARGETS = {"sm_80": "a100_80gb_sxm.txtpb", "sm_90": "h100_80gb_sxm.txtpb"}
 # Published peaks for the roofline model (datasheets: dense tensor-core bfloat16, HBM bandwidth),
@@ -54,6 +55,7 @@ TARGET_KIND = {"sm_80": "A100", "sm_90": "H100"}
 
 def peaks(device_kind: str) -> dict | None:
     return next((p for kind, p in PEAKS.items() if kind in device_kind), None)
+
 
 # Real models' shapes (HF config keys); weights are abstract, nothing is loaded.
 MODELS = {
