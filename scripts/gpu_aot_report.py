@@ -55,8 +55,9 @@ def main() -> int:
                                **aot.roofline(runner, key, aot.PEAKS[aot.TARGET_KIND[target]]),
                                compile_s=time.perf_counter() - t0)
                     rows.append(row)
+                    fits = "fits" if row["fits"] else "OVER"
                     print(f"{target} {model} {weights:>8} {row['step']:<26} temp {row['temp_mib']:8.1f} MiB  "
-                          f"total {row['total_gib']:5.1f}/{row['limit_gib']:.1f} GiB {'fits' if row['fits'] else 'OVER'}"
+                          f"total {row['total_gib']:5.1f}/{row['limit_gib']:.1f} GiB {fits}"
                           f"  model {row['model_ms']:7.3f} ms {row['tok_s']:10.0f} tok/s ({row['bound']})", flush=True)
     Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
     with open(args.csv, "w", newline="") as f:

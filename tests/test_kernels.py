@@ -218,8 +218,12 @@ SHAPES = {
 }
 
 
-def _lower_cuda(fn, *args):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+def _lower_cuda(fn, *args) -> str:
+    """Lower for CUDA and check the kernel became a Triton call: with its default arguments a
+    kernel compiles for the GPU (interpret mode would lower to plain HLO loops instead)."""
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text, text[:2000]
+    return text
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -229,17 +233,19 @@ def test_kernels_lower_for_cuda(name):
     B, P, PS, NP, T = 64, 128, 16, 4096, 512
     f32, i32 = jnp.float32, jnp.int32
     cache = sds((L, NP, PS, K, D), f32)
-    text = _lower_cuda(lambda q, k, v, bt, n: paged_decode_attention(q, k, v, bt, n, 3),
-                       sds((B, Hq, D), f32), cache, cache, sds((B, P), i32), sds((B,), i32))
-    assert "triton" in text.lower() or "__gpu$xla.gpu.triton" in text
+    _lower_cuda(lambda q, k, v, bt, n: paged_decode_attention(q, k, v, bt, n, 3),
+                sds((B, Hq, D), f32), cache, cache, sds((B, P), i32), sds((B,), i32))
+    bf16 = sds((L, NP, PS, K, D), jnp.bfloat16)  # the engine's GPU dtype: bfloat16 queries and pages
+    _lower_cuda(lambda q, k, v, bt, n: paged_decode_attention(q, k, v, bt, n, 3),
+                sds((B, Hq, D), jnp.bfloat16), bf16, bf16, sds((B, P), i32), sds((B,), i32))
+    _lower_cuda(lambda q, k, v, bt, n, pos: paged_prefill_attention(q, k, v, bt, n, pos, 3),
+                sds((4, T, Hq, D), jnp.bfloat16), bf16, bf16, sds((4, P), i32), sds((4,), i32), sds((4, T), i32))
     _lower_cuda(lambda q, k, v, bt, n, pos: paged_prefill_attention(q, k, v, bt, n, pos, 3),
                 sds((4, T, Hq, D), f32), cache, cache, sds((4, P), i32), sds((4,), i32), sds((4, T), i32))
     q8 = sds((L, NP, PS, K, D), jnp.int8)
     sc = sds((L, NP, PS, K), jnp.float16)  # an int8 KV cache's pages and scales (layers/attention.py)
-    text = _lower_cuda(
-        lambda q, k, v, bt, n, ks, vs: paged_decode_attention(q, k, v, bt, n, 0, k_scales=ks, v_scales=vs),
-        sds((B, Hq, D), f32), q8, q8, sds((B, P), i32), sds((B,), i32), sc, sc)
-    assert "triton" in text.lower() or "__gpu$xla.gpu.triton" in text
+    _lower_cuda(lambda q, k, v, bt, n, ks, vs: paged_decode_attention(q, k, v, bt, n, 0, k_scales=ks, v_scales=vs),
+                sds((B, Hq, D), f32), q8, q8, sds((B, P), i32), sds((B,), i32), sc, sc)
     _lower_cuda(lambda q, k, v, bt, n, pos, ks, vs: paged_prefill_attention(q, k, v, bt, n, pos, 0, k_scales=ks,
                                                                             v_scales=vs),
                 sds((4, T, Hq, D), f32), q8, q8, sds((4, P), i32), sds((4,), i32), sds((4, T), i32), sc, sc)
@@ -251,3 +257,18 @@ def test_kernels_lower_for_cuda(name):
         g = 64 if hidden % 128 else 128
         _lower_cuda(int4_matmul, sds((M, hidden), f32), sds((hidden // 2, inter), jnp.uint8),
                     sds((hidden // g, inter), f32), sds((hidden // g, inter), f32))
+        _lower_cuda(int8_matmul, sds((M, hidden), jnp.bfloat16), sds((hidden, inter), jnp.int8), sds((inter,), f32))
+
+
+def test_the_engine_runs_the_kernels_compiled_unless_told_to_interpret():
+    """The engine's default is compiled kernels (`interpret` only for tests on a CPU), and "auto"
+    picks the Pallas kernels exactly when the backend is a GPU."""
+    from unittest import mock
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.layers.linear import resolve
+
+    assert EngineConfig().interpret is False
+    assert resolve("auto") == "xla"  # this CPU
+    with mock.patch.object(jax, "default_backend", return_value="gpu"):
+        assert resolve("auto") == "pallas"
