@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jaxserve.checkpoint.quantize import quantize_params  # noqa: E402
 from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
 from jaxserve.engine.pages import PagePool  # noqa: E402
-from jaxserve.engine.runner import ModelRunner, ScheduledItem  # noqa: E402
+from jaxserve.engine.runner import ModelRunner, ScheduledItem, _bucket  # noqa: E402
 from jaxserve.engine.sequence import SamplingParams, Sequence  # noqa: E402
 from jaxserve.layers import parallel  # noqa: E402
 
@@ -90,8 +90,8 @@ def modeled_ms(runner, items) -> float | None:
     peak = aot.peaks(jax.devices()[0].device_kind)
     if peak is None:
         return None
-    B = next(b for b in runner.decode_batches if b >= len(items))
-    P = next(p for p in runner.context_page_buckets if p * runner.page_size >= max(it.start for it in items) + 1)
+    B = _bucket(len(items), runner.decode_batches)  # as runner._launch_decode picks them for one step
+    P = _bucket(-(-(max(it.start for it in items) + 1) // runner.page_size), runner.context_page_buckets)
     return aot.roofline(runner, (B, 0, P), peak)["model_ms"]
 
 

@@ -42,6 +42,11 @@ def _restore_sharded(checkpointer, path: Path, dtype: str | None, mesh: Mesh) ->
     return checkpointer.restore(path, target)
 
 
-def load_model(model_dir: str | Path, dtype: str | None = None, mesh: Mesh | None = None) -> tuple[ModelConfig, dict]:
-    """(config, params) of a converted model directory (split over `mesh` when given)."""
-    return ModelConfig.from_dir(model_dir), load_params(model_dir, dtype, mesh)
+def load_model(model_dir: str | Path, dtype: str | None = None, mesh: Mesh | None = None,
+               what: str = "the model") -> tuple[ModelConfig, dict]:
+    """(config, params) of a converted model directory, split over `mesh` when given: a model
+    whose heads do not divide the mesh is refused (naming `what`) before any weight is read."""
+    cfg = ModelConfig.from_dir(model_dir)
+    if mesh is not None:
+        parallel.check_divisible(cfg, mesh.size, what)
+    return cfg, load_params(model_dir, dtype, mesh)

@@ -45,7 +45,7 @@ import jax
 
 from jaxserve.checkpoint.load import load_model
 from jaxserve.checkpoint.quantize import quantize_at_load
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig
 from jaxserve.engine import faults
 from jaxserve.engine.draft import DraftRunner
 from jaxserve.engine.pages import PagePool, kv_bytes_per_page, pages_for_budget
@@ -85,8 +85,6 @@ class Engine:
         self.tokenizer = Tokenizer(model_dir)
         # Tensor parallelism: the weights and the KV cache split over this mesh (layers/parallel.py).
         self.mesh = parallel.make_mesh(config.tensor_parallel_size)
-        if self.mesh is not None:  # before any weight is read
-            parallel.check_divisible(ModelConfig.from_dir(model_dir), self.mesh.size)
         self.model_cfg, params = load_model(model_dir, dtype=config.dtype, mesh=self.mesh)
         params = quantize_at_load(params, config.quantization)
         max_len = min(config.max_model_len, self.model_cfg.max_position_embeddings)
@@ -153,9 +151,7 @@ class Engine:
         if not (path / "config.json").is_file():
             raise ValueError(f"draft_model {str(path)!r} is not a model directory (no config.json); "
                              "convert one with `jaxserve convert`")
-        if self.mesh is not None:
-            parallel.check_divisible(ModelConfig.from_dir(path), self.mesh.size, "the draft model")
-        cfg, params = load_model(path, dtype=config.dtype, mesh=self.mesh)
+        cfg, params = load_model(path, dtype=config.dtype, mesh=self.mesh, what="the draft model")
         if cfg.vocab_size != self.model_cfg.vocab_size:
             raise ValueError(f"the draft model's vocabulary has {cfg.vocab_size} tokens and the target's "
                              f"{self.model_cfg.vocab_size}: a draft model must use the target's tokenizer")

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.layers.parallel import weight_specs
 from pallas_kernels.quantized_matmul import int4_matmul, int8_matmul, unpack_int4
 
 IMPLS = ("auto", "pallas", "xla", "w8a8")
@@ -84,8 +85,6 @@ def _per_shard_linear(x: jax.Array, w: dict, interpret: bool, mesh: Mesh, split:
     """A Pallas matmul on each device's slice of the weight: a column-parallel one gives each
     device its outputs [..., N/n]; a row-parallel one multiplies its inputs [..., K/n] and the
     partial sums are added over the devices (the layer's all-reduce)."""
-    from jaxserve.layers.parallel import weight_specs
-
     specs = weight_specs(split, w, mesh.size)
     if all(s == P() for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))):
         return linear(x, w, "pallas", interpret)  # not divisible: whole on every device
