@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxserve.engine.sampler import SamplingArrays, apply_logit_bias, apply_penalties, sample
 
@@ -117,3 +118,49 @@ def test_w8a8_matmul_against_the_float_product():
     xq, xs = quantize_rows(jnp.asarray([[0.0, 0.0], [-2.0, 1.0]]))
     assert xq.dtype == jnp.int8 and np.asarray(xq).tolist() == [[0, 0], [-127, 64]]
     assert np.asarray(xs)[:, 0].tolist() == pytest.approx([1.0, 2 / 127])
+
+
+def _filtered_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+                           min_p: float) -> np.ndarray:
+    """What a row should be drawn from, worked out in float64 in HF's order: divide by the
+    temperature; keep the top_k most likely; of those, the smallest set whose mass (before a
+    token) is under top_p; of those, each token at least min_p times the likeliest; renormalise."""
+    order = np.argsort(-logits, kind="stable")
+    z = logits[order].astype(np.float64) / temperature
+
+    def softmax(alive):
+        e = np.where(alive, np.exp(z - z.max()), 0.0)
+        return e / e.sum()
+
+    alive = np.arange(len(z)) < (top_k if top_k > 0 else len(z))
+    probs = softmax(alive)
+    alive &= np.cumsum(probs) - probs < top_p
+    probs = softmax(alive)
+    alive &= probs >= min_p * probs[0]
+    out = np.zeros(len(z))
+    out[order] = softmax(alive)
+    return out
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (0.5, 0, 1.0, 0.0), (2.0, 5, 1.0, 0.0), (1.5, 0, 0.7, 0.0), (1.0, 0, 1.0, 0.3), (1.8, 10, 0.85, 0.12)])
+def test_seeded_draws_follow_the_filtered_softmax(temperature, top_k, top_p, min_p):
+    """20,000 rows with the same logits and seeds 0..19,999: the counts of each token pass a
+    chi-square test against the distribution above (p > 1e-3), and no filtered-out token is
+    ever drawn. A sampler that ignored the temperature, applied the filters in another order
+    or before the temperature, or mapped ranks back to the wrong tokens fails here."""
+    from scipy.stats import chisquare
+
+    n, values = 20_000, np.array([2.0, 1.6, 1.3, 1.1, 0.8, 0.5, 0.3, 0.0, -0.2, -0.5, -0.9, -1.2, -1.6, -2.0, -2.5, -3.0])
+    logits = np.random.default_rng(0).permutation(values).astype(np.float32)  # ranks in no token order
+    V = len(logits)
+    s = arrays(n, V, temperature=np.full(n, temperature), top_k=np.full(n, top_k), top_p=np.full(n, top_p),
+               min_p=np.full(n, min_p), seeds=np.arange(n), logprobs=np.zeros(n))
+    tokens = np.asarray(sample(jnp.tile(jnp.asarray(logits)[None], (n, 1)), s).tokens)
+    counts = np.bincount(tokens, minlength=V)
+    p = _filtered_distribution(logits, temperature, top_k, top_p, min_p)
+    kept = p > 0
+    assert counts[~kept].sum() == 0, counts
+    assert kept.sum() >= 3  # the test has room to see a wrong shape
+    result = chisquare(counts[kept], n * p[kept])
+    assert result.pvalue > 1e-3, (result, counts, np.round(n * p))
