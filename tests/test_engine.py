@@ -162,12 +162,28 @@ def test_invalid_requests_are_refused_clearly(engine):
     assert not engine.has_unfinished
 
 
+def _scrape(metrics) -> dict[tuple, float]:
+    """The exposition a Prometheus scrape would get, parsed: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(metrics.render().decode()) for s in fam.samples}
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_small_page_pool_completes_everything(tiny_model_dir, mode):
     """12 pages of 16 tokens cannot hold eight 40-70 token requests at once: the scheduler waits
     and preempts (by recompute, or by swapping pages to host memory and back, within a 5-page
     swap space whose use is checked after every step), and each greedy output equals the one
-    from an ample pool that never preempts."""
+    from an ample pool that never preempts. The server's metrics, rendered after every step,
+    agree with what the sequences went through: preemptions by mode (each sequence's own count,
+    its state telling the mode), requests swapped and the swap bytes they hold, and at the end
+    8 x 30 generated tokens however often a sequence was recomputed."""
+    from jaxserve.config import ModelSpec
+    from jaxserve.engine.sequence import Status
+    from jaxserve.metrics import Metrics
+    from jaxserve.serving.registry import ServedModel
+
     opts = dict(max_num_seqs=8, decode_batch_buckets=(1, 8), context_buckets=(128,), max_model_len=128,
                 prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
     rng = random.Random(5)
@@ -179,10 +195,17 @@ def test_small_page_pool_completes_everything(tiny_model_dir, mode):
     # Swap space for 5 pages: a sequence holds up to 5, so swapping is rationed (the rest recompute).
     swap_gib = 5 * ample.engine.page_bytes / 2**30
     eng = LLM(tiny_model_dir, num_pages=12, preemption_mode=mode, swap_space_gib=swap_gib, **opts).engine
+    metrics = Metrics()
+    metrics.state.sources["tiny"] = ServedModel(name="tiny", spec=ModelSpec(path=str(tiny_model_dir)), created=0,
+                                                engine=eng)
+    eng.metrics = metrics.for_model("tiny")
+    label = (("model_name", "tiny"),)
     sched = eng.scheduler
     assert sched.cfg.swap_pages == (5 if mode == "swap" else 0)
     seqs = [eng.add_request(p, params) for p in prompts]
     most = 0
+    seen = {s.request_id: 0 for s in seqs}
+    by_mode = {"recompute": 0, "swap": 0}
     while eng.has_unfinished:
         eng.step()
         # swap bookkeeping: the space used is the swapped sequences' host pages, within the budget
@@ -190,14 +213,31 @@ def test_small_page_pool_completes_everything(tiny_model_dir, mode):
         for s in sched.swapped:
             assert {a.shape[1] for a in jax.tree.leaves(s.swap_data)} == {s.swap_pages}
         most = max(most, sched.swap_used)
-    assert sched.preemptions[mode] > 0
+        for s in seqs:
+            if s.num_preemptions > seen[s.request_id]:
+                assert s.status in (Status.WAITING, Status.SWAPPED)  # still out of the batch after its step
+                by_mode["swap" if s.status is Status.SWAPPED else "recompute"] += s.num_preemptions - seen[s.request_id]
+                seen[s.request_id] = s.num_preemptions
+        scraped = _scrape(metrics)
+        swapped = [s for s in seqs if s.status is Status.SWAPPED]
+        assert scraped[("vllm:num_preemptions_total", label)] == sum(by_mode.values())
+        for m, n in by_mode.items():
+            assert scraped.get(("jaxserve:preemptions_total", (("mode", m), *label)), 0) == n, (m, by_mode)
+        assert scraped[("vllm:num_requests_swapped", label)] == len(swapped)
+        assert scraped[("jaxserve:swap_space_bytes_used", label)] == eng.page_bytes * sum(s.swap_pages
+                                                                                        for s in swapped)
+    assert by_mode[mode] > 0
     if mode == "recompute":
-        assert sched.num_preemptions == sched.preemptions[mode] and most == 0
+        assert by_mode["swap"] == 0 and most == 0
     else:
         assert 0 < most <= 5
     assert [s.finish_reason for s in seqs] == ["length"] * 8
     assert [s.output_ids for s in seqs] == [o.token_ids for o in expected]
     assert eng.pool.num_used == 0 and sched.swap_used == 0 and not sched.swapped
+    scraped = _scrape(metrics)
+    assert scraped[("vllm:generation_tokens_total", label)] == 8 * 30
+    assert scraped[("vllm:request_success_total", (("finished_reason", "length"), *label))] == 8
+    assert scraped[("jaxserve:swap_space_bytes_used", label)] == 0
 
 
 def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
