@@ -94,11 +94,11 @@ def block_quantized_activations(block: int):
     absmax scale per `block` channels (fake quantization: the product itself stays float)."""
     plain = llama.linear
 
-    def fake(x, w, impl="xla", interpret=False):
+    def fake(x, w, *args, **kwargs):  # linear's own arguments (impl, mesh, ...) pass through
         if not isinstance(w, dict):
             xq, scale = quantize_rows(x.reshape(-1, block))  # one absmax scale per block
             x = (xq * scale).reshape(x.shape).astype(x.dtype)
-        return plain(x, w, impl, interpret)
+        return plain(x, w, *args, **kwargs)
 
     llama.linear = fake
     try:
