@@ -64,14 +64,30 @@ def _idle(server) -> dict:
     return {"engine": next(iter(stats["models"].values())), "admission": stats["admission"]}
 
 
+def _rejections(server) -> dict[str, float]:
+    """vllm:admission_rejections_total by reason, from a real scrape of /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", headers=LOAD, timeout=10).text
+    return {s.labels["reason"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == "vllm:admission_rejections_total"}
+
+
+def _grown(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
 def test_ten_times_capacity_completes_or_is_refused_with_retry_after(server):
     """500 concurrent requests against 16 waiting and 24 in flight: each is the right answer or a 503
     with Retry-After and OpenAI's error shape; the process stays up, its memory bounded, and
-    afterwards nothing runs, waits or holds pages."""
+    afterwards nothing runs, waits or holds pages. The admission-rejection counter on /metrics
+    grew by exactly the 503s, by the reasons /stats gives."""
     url = f"{server.url}/v1/chat/completions"
     expected = {p: httpx.post(url, headers=LOAD, json=_body(p), timeout=120).json()["choices"][0]["message"]["content"]
                 for p in PROMPTS}
     rss_before = _rss_kib(server.proc.pid)
+    rejected_before = _rejections(server)
+    stats_before = _idle(server)["admission"]["rejections"]
 
     async def one(client: httpx.AsyncClient, i: int):
         prompt = PROMPTS[i % len(PROMPTS)]
@@ -102,20 +118,22 @@ def test_ten_times_capacity_completes_or_is_refused_with_retry_after(server):
     idle = _idle(server)
     assert idle["engine"]["running"] == 0 and idle["engine"]["waiting"] == 0 and idle["engine"]["pages_used"] == 0
     assert set(idle["admission"]["in_flight"].values()) <= {0} and set(idle["admission"]["waiting"].values()) <= {0}
-    rejected = idle["admission"]["rejections"]
-    assert rejected.get("in_flight", 0) + rejected.get("queue", 0) == codes.count(503)
+    rejected = _grown(idle["admission"]["rejections"], stats_before)
+    assert set(rejected) <= {"in_flight", "queue"} and sum(rejected.values()) == codes.count(503), rejected
+    assert _grown(_rejections(server), rejected_before) == rejected
 
 
 def test_a_key_over_its_token_quota_gets_429_and_retry_after_that_works(server):
     """key-a reserves 3 x 390 prompt + 3 new = 1,173 of its 1,200 tokens in one request (n = 3);
     the next key-a request needs 61 and is refused with Retry-After (the 34-token shortfall at
     20 tokens a second: 2 s); key-b is served meanwhile; after Retry-After seconds key-a's
-    request succeeds."""
+    request succeeds. The admission-rejection counter grew by that one refusal, reason "quota"."""
     url = f"{server.url}/v1/completions"
     a = {"Authorization": "Bearer key-a"}
     b = {"Authorization": "Bearer key-b"}
     big = {"prompt": list(range(1000, 1390)), "max_tokens": 1, "n": 3, "temperature": 0, "stream": True}
     small = {"prompt": list(range(2000, 2060)), "max_tokens": 1, "temperature": 0}
+    rejected_before = _rejections(server)
     with httpx.stream("POST", url, headers=a, json=big, timeout=120) as stream:
         assert stream.status_code == 200  # admitted: its reservation is taken
         refused = httpx.post(url, headers=a, json=small, timeout=60)
@@ -128,6 +146,7 @@ def test_a_key_over_its_token_quota_gets_429_and_retry_after_that_works(server):
     wait = int(refused.headers["Retry-After"])
     assert 1 <= wait <= 2
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 1
+    assert _grown(_rejections(server), rejected_before) == {"quota": 1}
     time.sleep(wait)  # honouring Retry-After is what this test is about
     again = httpx.post(url, headers=a, json=small, timeout=120)
     assert again.status_code == 200, again.text

@@ -14,13 +14,14 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from jaxserve.tokenizer import Tokenizer
-from server_proc import ServerProcess
+from server_proc import ServerProcess, free_port
 
 CONFIG = """
 [server]
@@ -47,7 +48,10 @@ def xla_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory, xla_cache):
     work = tmp_path_factory.mktemp("server")
-    srv = ServerProcess(default_model_dir, work, CONFIG.format(cache=xla_cache))
+    profiler_port = free_port()
+    srv = ServerProcess(default_model_dir, work, CONFIG.format(cache=xla_cache),
+                        extra_args=("--log-format", "json", "--profiler-port", str(profiler_port)))
+    srv.profiler_port = profiler_port
     yield srv
     srv.stop()
 
@@ -65,6 +69,12 @@ def model(client):
 @pytest.fixture(scope="module")
 def tok(default_model_dir):
     return Tokenizer(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def first_answer(client, model) -> str:
+    """The greedy answer to QUESTION of the fresh server (asked by the module's first chat test)."""
+    return chat(client, model, QUESTION, max_tokens=24, temperature=0).choices[0].message.content
 
 
 def chat(client, model, messages, **kw):
@@ -88,10 +98,10 @@ def test_models_lists_the_default_model(client, model):
     assert [m.id for m in client.models.list().data] == [model]
 
 
-def test_chat_whole_and_streamed_agree(client, model, tok):
+def test_chat_whole_and_streamed_agree(client, model, tok, first_answer):
     whole = chat(client, model, QUESTION, max_tokens=24, temperature=0)
     text = whole.choices[0].message.content
-    assert "Paris" in text
+    assert "Paris" in text and text == first_answer
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
     assert whole.usage.prompt_tokens == len(tok.encode_chat(QUESTION))
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
@@ -236,9 +246,25 @@ def test_32_concurrent_streams_equal_their_answers_alone(client, model, server):
         async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300) as ac:
             return await asyncio.gather(*(one(ac, p) for p in prompts))
 
-    together = asyncio.run(all_at_once())
+    # /stats polled while the burst runs: the streams were in the running batch together,
+    # not served one after another
+    running, done = [], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            running.append(server.stats()["running"])
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        together = asyncio.run(all_at_once())
+    finally:
+        done.set()
+        poller.join()
     assert together == alone
     assert len(set(alone)) > 16
+    assert max(running) >= 16, max(running)
 
 
 def _wait_idle(server, pages_before: int, within: float) -> float:
@@ -251,8 +277,25 @@ def _wait_idle(server, pages_before: int, within: float) -> float:
     raise AssertionError(f"engine still busy {within}s after the client left: {server.stats()}")
 
 
+def _aborts_and_tokens(server, model) -> tuple[float, float]:
+    """(requests finished by "abort", tokens generated) so far, from a real scrape of /metrics."""
+    label = (("model_name", model),)
+    now = scrape(server)
+    return (now.get(("vllm:request_success_total", (("finished_reason", "abort"), *label)), 0.0),
+            now.get(("vllm:generation_tokens_total", label), 0.0))
+
+
+def _assert_one_abort(server, model, before: tuple[float, float], max_tokens: int) -> None:
+    """Exactly one more request ended by abort, and it stopped making tokens well before
+    `max_tokens` (an engine that ran it to the end would count all of them)."""
+    aborts, tokens = _aborts_and_tokens(server, model)
+    assert aborts - before[0] == 1
+    assert tokens - before[1] < max_tokens / 2, tokens - before[1]
+
+
 def test_disconnect_mid_stream_frees_the_engine(server, model):
     before = server.stats()["pages_used"]
+    counted = _aborts_and_tokens(server, model)
     body = {"model": model, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
@@ -265,14 +308,77 @@ def test_disconnect_mid_stream_frees_the_engine(server, model):
             assert server.stats()["running"] == 1
     # the connection is closed here, the stream not finished
     _wait_idle(server, before, within=1.0)
+    _assert_one_abort(server, model, counted, body["max_tokens"])
 
 
 def test_disconnect_while_waiting_for_a_whole_answer(server, model):
     before = server.stats()["pages_used"]
+    counted = _aborts_and_tokens(server, model)
     body = {"model": model, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(5, read=1.0))
     _wait_idle(server, before, within=1.0)
+    _assert_one_abort(server, model, counted, body["max_tokens"])
+
+
+def _profile_request(repository: Path, session: str, duration_ms: int) -> bytes:
+    """A tensorflow.ProfilerService ProfileRequest (tsl/profiler/protobuf/profiler_service.proto),
+    encoded by hand: no protobuf classes for it ship with jax. Host and Python tracers on."""
+    def varint(n: int) -> bytes:
+        out = b""
+        while n > 0x7F:
+            out, n = out + bytes([n & 0x7F | 0x80]), n >> 7
+        return out + bytes([n])
+
+    def num(field: int, n: int) -> bytes:
+        return varint(field << 3) + varint(n)
+
+    def text(field: int, b: bytes) -> bytes:
+        return varint(field << 3 | 2) + varint(len(b)) + b
+
+    # ProfileOptions: version 1, host_tracer_level 2, device_tracer_level 1, python_tracer_level 1, duration_ms
+    options = num(5, 1) + num(2, 2) + num(3, 1) + num(4, 1) + num(9, duration_ms)
+    # ProfileRequest: duration_ms, opts, repository_root, session_id, host_name
+    return (num(1, duration_ms) + text(4, options) + text(5, str(repository).encode()) + text(6, session.encode())
+            + text(7, b"server"))
+
+
+def test_command_line_json_log_traceparent_echo_and_profiler_port(server, model, tmp_path):
+    """The server was started with `--log-format json --profiler-port P` and no tracer. A gRPC
+    client (what XProf / TensorBoard's capture does) takes a 1.5 s profile over P while requests
+    run: the trace written names jaxserve's steps. Each request's `traceparent` comes back as
+    sent, and every log line about it is a JSON object carrying its request id."""
+    import grpc
+
+    trace = f"00-{'ab' * 16}-{'cd' * 8}-01"
+    ids, reply = [], []
+
+    def capture():
+        with grpc.insecure_channel(f"127.0.0.1:{server.profiler_port}") as ch:
+            profile = ch.unary_unary("/tensorflow.ProfilerService/Profile")
+            reply.append(profile(_profile_request(tmp_path, "live", 1500), timeout=60))
+
+    capturing = threading.Thread(target=capture)
+    capturing.start()
+    with httpx.Client(timeout=60) as c:
+        while capturing.is_alive() or not ids:  # traffic for as long as the capture lasts
+            ids.append(f"json-log-{len(ids)}")
+            r = c.post(f"{server.url}/v1/completions", headers={"traceparent": trace, "X-Request-Id": ids[-1]},
+                       json={"model": model, "prompt": "One, two,", "max_tokens": 16, "ignore_eos": True})
+            assert r.status_code == 200 and r.headers["traceparent"] == trace
+            assert r.headers["x-request-id"] == ids[-1]
+    capturing.join()
+    assert reply == [b""]  # a ProfileResponse with empty_trace false
+    [xplane] = (tmp_path / "live").glob("*.xplane.pb")
+    assert b"jaxserve.decode" in xplane.read_bytes()
+
+    lines = [line for line in server.log_path.read_text().splitlines() if any(i in line for i in ids)]
+    records = [json.loads(line) for line in lines]
+    assert all(isinstance(rec, dict) for rec in records)
+    for i in ids:
+        mine = [rec["message"] for rec in records if rec.get("request_id") == i]
+        assert any(m.startswith("POST /v1/completions") for m in mine), (i, mine)
+        assert any(m.startswith("finished: length") for m in mine), (i, mine)
 
 
 def test_logit_bias_bans_and_forces_tokens(client, model, tok):
@@ -331,11 +437,13 @@ def test_too_long_message_names_both_numbers(server, tok):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
-def test_still_correct_after_the_bad_requests(client, model):
-    """Runs after the error cases above (the bad-request table is in test_reliability.py): still
-    the right greedy answer."""
+def test_still_correct_after_the_bad_requests(server, client, model, first_answer):
+    """Runs after the disconnects, deadlines and error cases above (the bad-request table is in
+    test_reliability.py): the same greedy answer as at the start, and nothing left in the engine."""
     text = chat(client, model, QUESTION, max_tokens=24, temperature=0).choices[0].message.content
-    assert "Paris" in text
+    assert text == first_answer
+    stats = server.stats()
+    assert stats["running"] == stats["waiting"] == stats["pages_used"] == 0, stats
 
 
 def test_terminal_chat_client_keeps_the_conversation(server, client, model):
@@ -516,7 +624,6 @@ def test_a_real_prometheus_scrapes_ttft_quantiles_and_kv_usage(server, model, tm
     from prometheus_client.utils import INF
 
     from jaxserve.metrics import TTFT_BUCKETS
-    from server_proc import free_port
 
     binary = shutil.which("prometheus")
     assert binary, "Prometheus is missing: `make install-test` installs Debian's prometheus package"
@@ -585,11 +692,26 @@ def test_a_real_prometheus_scrapes_ttft_quantiles_and_kv_usage(server, model, tm
     assert 0 < kv_max <= 1 and kv_now == 0
 
 
+# Read by page.evaluate, which runs over the DevTools protocol: the page's CSP (no
+# 'unsafe-eval') still applies to everything the page itself does.
+CANVAS_PIXELS = """id => {
+    const c = document.getElementById(id);
+    const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+    let inked = 0, sum = 0;
+    for (let i = 0; i < d.length; i += 4) {
+        if (d[i + 3]) inked++;
+        sum = (sum * 31 + d[i] * 7 + d[i + 1] * 5 + d[i + 2] * 3 + d[i + 3]) % 1000000007;
+    }
+    return [inked, sum];
+}"""
+
+
 def test_the_dashboard_updates_live_in_headless_chromium(server, tmp_path):
-    """Debian's Chromium (driven by Playwright) loads /dashboard while 6 streams run: the
-    page's charts gain points every second, tokens/s goes above 0 and running above 0 while
-    they run, the screenshot is a real PNG, and every request the page made went to this
-    server."""
+    """Debian's Chromium (driven by Playwright) loads /dashboard, under the page's own Content
+    Security Policy, while 6 streams run: no CSP violation is reported, the charts gain points
+    every second, tokens/s and running go above 0, the throughput chart's pixels are drawn (not
+    blank) and change between two samples, the KV figure is a number in [0, 100], the screenshot
+    is a real PNG, and every request the page made went to this server."""
     from playwright.sync_api import sync_playwright
 
     stop = threading.Event()
@@ -600,27 +722,46 @@ def test_the_dashboard_updates_live_in_headless_chromium(server, tmp_path):
                 c.post(f"{server.url}/v1/chat/completions", json={
                     "messages": QUESTION, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
 
+    def until(page, check: str, timeout: float):
+        deadline = time.monotonic() + timeout
+        while not page.evaluate(check):
+            assert time.monotonic() < deadline, f"not within {timeout} s: {check}"
+            page.wait_for_timeout(100)
+
     urls: list[str] = []
+    problems: list[str] = []
     workers = [threading.Thread(target=traffic) for _ in range(6)]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
             "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
             "--disable-component-update", "--disable-sync"])
         try:
-            # bypass_csp: Playwright evaluates its checks as strings, which the page's CSP forbids
-            page = browser.new_page(viewport={"width": 1200, "height": 800}, bypass_csp=True)
+            page = browser.new_page(viewport={"width": 1200, "height": 800})
             page.on("request", lambda r: urls.append(r.url))
+            # a resource that failed to load is reported again, with its URL, by the response check below
+            page.on("console", lambda m: problems.append(m.text)
+                    if m.type == "error" and not m.text.startswith("Failed to load resource") else None)
+            page.on("response", lambda r: problems.append(f"{r.status} {r.url}")
+                    if r.status >= 400 and not r.url.endswith("/favicon.ico") else None)  # no icon: fine
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            # installed before the page's scripts run; a violation of the page's CSP fires this
+            page.add_init_script("document.addEventListener('securitypolicyviolation', e => "
+                                 "console.error('CSP violation: ' + e.violatedDirective + ' ' + e.blockedURI))")
             page.goto(f"{server.url}/dashboard")
-            page.wait_for_function("window.dashboard && window.dashboard.samples >= 2", timeout=30_000)
+            until(page, "window.dashboard && window.dashboard.samples >= 2", 30)
             for w in workers:
                 w.start()
-            page.wait_for_function("""() => {
+            until(page, """(() => {
                 const s = window.dashboard.series;
                 return s['tokens/s'].some(v => v > 0) && s['running'].some(v => v > 0)
                     && s['TTFT p50'].some(v => v > 0);
-            }""", timeout=60_000)
+            })()""", 60)
             before = page.evaluate("window.dashboard.samples")
-            page.wait_for_function(f"window.dashboard.samples >= {before + 2}", timeout=30_000)
+            pixels_before = page.evaluate(CANVAS_PIXELS, "chart-throughput")
+            until(page, f"window.dashboard.samples >= {before + 2}", 30)
+            pixels_after = page.evaluate(CANVAS_PIXELS, "chart-throughput")
+            size = page.evaluate("(() => { const c = document.getElementById('chart-throughput');"
+                                 " return c.width * c.height; })()")
             shot = tmp_path / "dashboard.png"
             page.screenshot(path=str(shot), full_page=True)
             text = page.inner_text("body")
@@ -632,8 +773,12 @@ def test_the_dashboard_updates_live_in_headless_chromium(server, tmp_path):
                 if w.is_alive():
                     w.join()
             browser.close()
+    assert not problems, problems
+    assert 0 < pixels_before[0] < size and 0 < pixels_after[0] < size  # lines drawn on a clear background
+    assert pixels_after != pixels_before  # the chart moved
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
-    assert "smollm2" in text and kv.endswith("%")
+    assert "smollm2" in text
+    assert kv.endswith(" %") and 0 <= float(kv[:-2]) <= 100, kv
     assert prefix.endswith(" %") and 0 < float(prefix[:-2]) <= 100  # the same question, again and again
     assert urls and all(u.startswith(server.url + "/") for u in urls), [u for u in urls if not u.startswith(server.url)]
     assert any(u.endswith("/metrics") for u in urls)
