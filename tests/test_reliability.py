@@ -289,6 +289,7 @@ BAD = [
     ("skip-special-tokens-string", CHAT, _chat(skip_special_tokens="no"), {}, 400, "skip_special_tokens"),
     ("json-mode", CHAT, _chat(response_format={"type": "json_object"}), {}, 400, "response_format"),
     ("tools", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tools"),
+    ("functions", CHAT, _chat(functions=[{"name": "f", "parameters": {"type": "object"}}]), {}, 400, "functions"),
     ("cache-salt-empty", CHAT, _chat(cache_salt=""), {}, 400, "cache_salt"),
     ("model-not-string", CHAT, _chat(model=5), {}, 400, "model"),
     ("model-unknown", CHAT, _chat(model="gpt-9"), {}, 404, "model"),
