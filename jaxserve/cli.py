@@ -15,7 +15,8 @@ def _cmd_convert(args) -> int:
 
     try:
         dst = convert(args.src, args.dst, dtype=args.dtype, progress=not args.quiet, quantize=args.quantize,
-                      group_size=args.group_size)
+                      group_size=args.group_size, kv_calibration=args.kv_calibration,
+                      kv_calibration_tokens=args.kv_calibration_tokens)
     except ConversionError as e:
         print(f"jaxserve convert: error: {e}", file=sys.stderr)
         return 1
@@ -296,6 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     c.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantization of the matmul weights")
     c.add_argument("--group-size", type=int, default=128, help="int4 group size along the input dimension")
+    c.add_argument("--kv-calibration", metavar="TEXT_FILE",
+                   help="run the converted model over this text and store per-layer fp8 KV cache scales "
+                        "(kv_scales.json), used with --kv-cache-dtype fp8_e4m3 / fp8_e5m2")
+    c.add_argument("--kv-calibration-tokens", type=int, default=2048, metavar="N",
+                   help="tokens of the calibration text to run (default 2048)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=_cmd_convert)
 

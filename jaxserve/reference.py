@@ -86,11 +86,19 @@ class ReferenceGenerator:
 
 
 def paged_logits(params, cfg: ModelConfig, tokens: list[int], kv_cache_dtype: str = "auto", dtype: str = "float32",
-                 page_size: int = 16) -> np.ndarray:
+                 page_size: int = 16, kv_scales: np.ndarray | None = None) -> np.ndarray:
     """Teacher-forced logits [T, V] of one sequence through the paged path, as the engine runs it:
     every key and value is written to a KV cache stored as `kv_cache_dtype` and read back from
-    it (quantized, for int8 / fp8) before attention. One prefill over the whole sequence,
-    padded to a multiple of 256 tokens (padding writes nothing) so few lengths compile."""
+    it (quantized, for int8 / fp8; `kv_scales` [2, L] are an fp8 cache's per-layer scales)
+    before attention."""
+    return paged_forward(params, cfg, tokens, kv_cache_dtype, dtype, page_size, kv_scales)[0]
+
+
+def paged_forward(params, cfg: ModelConfig, tokens: list[int], kv_cache_dtype: str = "auto",
+                  dtype: str = "float32", page_size: int = 16, kv_scales: np.ndarray | None = None):
+    """`paged_logits` and the cache after it: (logits [T, V], kv_cache), the sequence's tokens in
+    slots 0 .. T-1. One prefill over the whole sequence, padded to a multiple of 256 tokens
+    (padding writes nothing) so few lengths compile."""
     from jaxserve.layers.attention import init_kv_cache
 
     n = len(tokens)
@@ -101,11 +109,12 @@ def paged_logits(params, cfg: ModelConfig, tokens: list[int], kv_cache_dtype: st
     meta = AttentionMetadata(positions=jnp.asarray(pos[None]), context_lens=jnp.asarray([n], jnp.int32),
                              slot_mapping=jnp.asarray(np.where(pos < n, pos, num_pages * page_size)[None]),
                              block_tables=jnp.arange(num_pages, dtype=jnp.int32)[None],
-                             sliding_window=cfg.sliding_window)
+                             sliding_window=cfg.sliding_window,
+                             kv_scales=None if kv_scales is None else jnp.asarray(kv_scales, jnp.float32))
     padded = np.zeros((1, T), np.int32)
     padded[0, :n] = tokens
-    logits, _ = _paged_forward(family(cfg).forward, params, cfg, jnp.asarray(padded), meta, kv)
-    return np.asarray(logits[0, :n])
+    logits, kv = _paged_forward(family(cfg).forward, params, cfg, jnp.asarray(padded), meta, kv)
+    return np.asarray(logits[0, :n]), kv
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))

@@ -176,26 +176,33 @@ def kv_rows(params, cfg, seqs, tokens: int) -> None:
     1,500-token passage of documentation and the float model's 64-token continuation), where
     KV errors add up over many keys."""
     from jaxserve.bench.dataset import corpus_window, load_tokenizer
+    from jaxserve.checkpoint import kv_scales
     from jaxserve.reference import paged_logits
 
     btok = load_tokenizer(DEFAULT_DIR)
     ids = btok.encode(corpus_window(btok, random.Random(0), 1500), add_special_tokens=False).ids
     gen = ReferenceGenerator(cfg, params, max_len=len(ids) + tokens)
     long = [(ids, list(gen.stream(ids, tokens, temperature=0.0, seed=0, stop_ids=())))]
+    # fp8 scales calibrated as `jaxserve convert --kv-calibration` does, on 2,048 tokens of another
+    # passage of the same documentation corpus
+    calibration = btok.encode(corpus_window(btok, random.Random(1), 2048), add_special_tokens=False).ids
+    calibrated = kv_scales.calibrate(params, cfg, calibration)
+    kinds = [("int8", "int8", None), ("fp8_e4m3", "fp8_e4m3", None), ("fp8_e5m2", "fp8_e5m2", None),
+             ("fp8_e4m3 calibrated", "fp8_e4m3", calibrated), ("fp8_e5m2 calibrated", "fp8_e5m2", calibrated)]
     for case, group in (("chat prompts", seqs), ("1,500-token passage", long)):
         refs = [paged_logits(params, cfg, i + o) for i, o in group]
-        for kv in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        for label, kv, scales in kinds:
             agree = total = every = every_total = 0
             worst = 0.0
             for (i, o), ref in zip(group, refs):
-                got = paged_logits(params, cfg, i + o, kv)
+                got = paged_logits(params, cfg, i + o, kv, kv_scales=scales)
                 tail = slice(len(i) - 1, len(i) - 1 + len(o))
                 agree += int(np.sum(got[tail].argmax(-1) == ref[tail].argmax(-1)))
                 total += len(o)
                 every += int(np.sum(got[:-1].argmax(-1) == ref[:-1].argmax(-1)))
                 every_total += len(i) + len(o) - 1
                 worst = max(worst, float(np.abs(got[tail] - ref[tail]).max()))
-            print(f"KV cache {kv}, {case}: top-1 agreement with the float32 cache {agree / total:.1%} "
+            print(f"KV cache {label}, {case}: top-1 agreement with the float32 cache {agree / total:.1%} "
                   f"({agree}/{total} continuation tokens), {every / every_total:.1%} over every position "
                   f"({every_total}); largest logit difference {worst:.3f}")
 

@@ -14,8 +14,8 @@ import pytest
 from hf_models import build
 
 
-def run_convert(src, dst):
-    return subprocess.run([sys.executable, "-m", "jaxserve", "convert", str(src), str(dst), "--quiet"],
+def run_convert(src, dst, *args):
+    return subprocess.run([sys.executable, "-m", "jaxserve", "convert", str(src), str(dst), "--quiet", *args],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -87,3 +87,14 @@ def test_sharded_checkpoint_converts(tmp_path):
     a, b = load_params(tmp_path / "one-out"), load_params(tmp_path / "sharded-out")
     np.testing.assert_array_equal(np.asarray(a["layers"]["wq"]), np.asarray(b["layers"]["wq"]))
     np.testing.assert_array_equal(np.asarray(a["embed"]), np.asarray(b["embed"]))
+
+
+def test_kv_calibration_without_its_text_or_a_tokenizer(tmp_path, hf_dir):
+    """A calibration file that is not there is refused before any weight is read; one that is
+    there needs the model's tokenizer, which this source lacks."""
+    dst = tmp_path / "out"
+    _check_refused(run_convert(hf_dir, dst, "--kv-calibration", str(tmp_path / "nowhere.txt")), dst,
+                   "--kv-calibration", "nowhere.txt")
+    text = tmp_path / "calibration.txt"
+    text.write_text("Some text to calibrate on. " * 20)
+    _check_refused(run_convert(hf_dir, dst, "--kv-calibration", str(text)), dst, "tokenizer.json")

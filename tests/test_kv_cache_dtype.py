@@ -117,3 +117,106 @@ def test_fp8_e4m3_pages_go_to_the_pallas_kernels_only_from_compute_capability_8_
     assert pallas_reads_kv("fp8_e4m3", l40) and pallas_reads_kv("fp8_e4m3", h100)
     assert all(pallas_reads_kv(kv, a100) for kv in ("auto", "int8", "fp8_e5m2"))
     assert pallas_reads_kv("fp8_e4m3", jax.devices()[0])  # a CPU (interpret mode) has no such limit
+
+
+CALIBRATION = 100  # tokens of the calibration text
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory, default_model_dir):
+    """The tiny model converted by the command line with `--kv-calibration` over a page of this
+    repository's README: (model dir, the calibration tokens)."""
+    import shutil
+    from pathlib import Path
+
+    from fakes import TOKENIZER_FILES, tiny_hf_model
+    from jaxserve.cli import main as cli_main
+    from jaxserve.tokenizer import Tokenizer
+
+    root = tmp_path_factory.mktemp("fp8")
+    src, dst, text = root / "hf", root / "tiny-fp8", root / "calibration.txt"
+    tiny_hf_model().save_pretrained(src)
+    for name in TOKENIZER_FILES:
+        shutil.copy(default_model_dir / name, src / name)
+    text.write_text((Path(__file__).parent.parent / "README.md").read_text()[:6000])
+    assert cli_main(["convert", str(src), str(dst), "--kv-calibration", str(text), "--kv-calibration-tokens",
+                     str(CALIBRATION), "--quiet"]) == 0
+    return dst, Tokenizer(dst).encode(text.read_text(), add_special_tokens=False)[:CALIBRATION]
+
+
+def _largest_stored(kv, pages: list[int], n: int) -> np.ndarray:
+    """[2, L]: the largest |value| each layer's K and V pages hold for the first n tokens on `pages`."""
+    out = []
+    for cache in kv[:2]:  # [L, NP, PS, K, D]
+        tokens = np.asarray(cache[:, np.asarray(pages)].astype(np.float32))
+        out.append(np.abs(tokens.reshape(cache.shape[0], -1, *cache.shape[3:])[:, :n]).max(axis=(1, 2, 3)))
+    return np.stack(out)
+
+
+def test_fp8_kv_calibration_stores_each_layers_largest_value_at_448(calibrated):
+    """`jaxserve convert --kv-calibration` writes kv_scales.json: per layer, the calibration text's
+    largest rotated K and V divided by 448. Written through the paged path with those scales,
+    that text's largest stored value in every layer is exactly e4m3's largest (448), and read
+    back with them the logits are as close to the float cache's as with scale 1.0 (read
+    without them, 1/scale times too large, they would not be)."""
+    import json
+
+    from jaxserve.checkpoint import kv_scales
+    from jaxserve.checkpoint.load import load_model
+    from jaxserve.reference import paged_forward, paged_logits
+
+    model_dir, tokens = calibrated
+    raw = json.loads((model_dir / "kv_scales.json").read_text())
+    assert raw["calibration"] == {"text": "calibration.txt", "tokens": CALIBRATION}
+    cfg, params = load_model(model_dir)
+    scales = kv_scales.load(model_dir, cfg.num_layers)
+    assert scales.shape == (2, cfg.num_layers) and (scales < 0.1).all()  # the tiny model's K/V are far below 448
+    got, kv = paged_forward(params, cfg, tokens, "fp8_e4m3", kv_scales=scales)
+    np.testing.assert_array_equal(_largest_stored(kv, list(range(-(-CALIBRATION // 16))), CALIBRATION), 448.0)
+    ref, unit = paged_logits(params, cfg, tokens), paged_logits(params, cfg, tokens, "fp8_e4m3")
+    # fp8's 3 mantissa bits cost this random model as much either way (about 2 logits at worst,
+    # a quarter of the top-1 choices); the calibrated scales must cost no more than scale 1.0
+    assert np.abs(got - ref).mean() <= 1.05 * np.abs(unit - ref).mean()
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= (unit.argmax(-1) == ref.argmax(-1)).mean() - 0.02
+
+
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+def test_the_engine_writes_and_reads_fp8_pages_with_the_checkpoints_scales(calibrated, attention):
+    """The engine loads kv_scales.json for an fp8 cache: after prefilling the calibration text
+    (two chunks) its pages hold 448 as each layer's largest K and V, and the first token's
+    logprobs agree with the reference paged path under the same scales, for the XLA attention
+    and the Pallas kernels (interpreted)."""
+    from jaxserve.checkpoint import kv_scales
+    from jaxserve.checkpoint.load import load_model
+    from jaxserve.reference import paged_logits
+
+    model_dir, tokens = calibrated
+    # 64 pages: XLA's CPU backend copies the whole fp8 cache around every write (engine.py warns)
+    eng = Engine(model_dir, EngineConfig(**{**TINY, "kv_cache_dtype": "fp8_e4m3", "num_pages": 64,
+                                            "attention_impl": attention, "interpret": attention == "pallas"}),
+                 warmup=False)
+    scales = kv_scales.load(model_dir, eng.model_cfg.num_layers)
+    np.testing.assert_array_equal(eng.runner.kv_scales, scales)
+    seq = eng.add_request(tokens, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, logprobs=5))
+    logprobs = []
+    while not seq.output_ids:  # prefill, to the first token
+        logprobs += [lp for ev in eng.step() for lp in ev.logprobs or ()]
+    np.testing.assert_array_equal(_largest_stored(eng.runner.kv_cache, seq.pages, CALIBRATION), 448.0)
+    logprobs += [lp for ev in eng.run_until_done() for lp in ev.logprobs or ()]
+    first = logprobs[0]
+    cfg, params = load_model(model_dir)
+    ref = paged_logits(params, cfg, tokens, "fp8_e4m3", kv_scales=scales)[-1].astype(np.float64)
+    ref = ref - ref.max() - np.log(np.exp(ref - ref.max()).sum())  # log_softmax
+    assert first["token_id"] == int(ref.argmax())
+    np.testing.assert_allclose([lp for _, lp in first["top"]], np.sort(ref)[::-1][:5], atol=2e-2)
+
+
+@pytest.mark.parametrize("content", ['{"k": [1.0, 1.0]}', '{"k": [1.0], "v": [1.0]}', '{"k": [1, 0], "v": [1, 1]}',
+                                     '{"k": [1, 1], "v": [1, NaN]}', 'not json'])
+def test_a_malformed_kv_scale_file_is_refused_by_name(tmp_path, content):
+    from jaxserve.checkpoint import kv_scales
+
+    assert kv_scales.load(tmp_path, 2) is None  # none there: scale 1.0
+    (tmp_path / "kv_scales.json").write_text(content)
+    with pytest.raises(ValueError, match="kv_scales.json"):
+        kv_scales.load(tmp_path, 2)

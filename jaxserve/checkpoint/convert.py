@@ -141,11 +141,14 @@ def _read_source(src: Path):
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float32", progress: bool = True,
-            quantize: str | None = None, group_size: int = 128) -> Path:
+            quantize: str | None = None, group_size: int = 128, kv_calibration: str | os.PathLike | None = None,
+            kv_calibration_tokens: int = 2048) -> Path:
     """Convert SRC (HF dir or .gguf) into an Orbax model directory at DST; returns DST.
 
     `quantize` = "int8" | "int4" stores the matmul weights weight-only quantized
-    (jaxserve/checkpoint/quantize.py); config.json records it under "jaxserve_quantization"."""
+    (jaxserve/checkpoint/quantize.py); config.json records it under "jaxserve_quantization".
+    `kv_calibration`, a text file: the converted model runs over its first
+    `kv_calibration_tokens` tokens and writes per-layer fp8 KV scales (checkpoint/kv_scales.py)."""
     from jaxserve.checkpoint.quantize import MODES, quantize_params
 
     src, dst = Path(src), Path(dst)
@@ -155,7 +158,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
         raise ConversionError(f"unsupported --quantize {quantize!r} (supported: {', '.join(MODES)})")
     if dst.exists():
         raise ConversionError(f"{dst}: already exists; remove it or choose another destination")
+    calibration_text = _calibration_text(kv_calibration, kv_calibration_tokens)
     hf, tensors, count, tok_files = _read_source(src)
+    if calibration_text is not None and "tokenizer.json" not in tok_files:
+        raise ConversionError(f"--kv-calibration needs the model's tokenizer; {src} has no tokenizer.json")
     if quantize == "int4" and (hint := int4_group_hint(src, group_size)):
         log.warning(hint)
     try:
@@ -182,10 +188,39 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
             else:
                 (tmp / name).write_text(content)
         save_params(tmp / "params", params)
+        if calibration_text is not None:
+            _calibrate_kv(tmp, cfg, params, calibration_text, Path(kv_calibration).name, kv_calibration_tokens)
         os.rename(tmp, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dst
+
+
+def _calibration_text(path: str | os.PathLike | None, tokens: int) -> str | None:
+    """The calibration file's text, checked before any weight is read."""
+    if path is None:
+        return None
+    if tokens < 16:
+        raise ConversionError(f"--kv-calibration-tokens must be at least 16, got {tokens}")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConversionError(f"--kv-calibration {path}: {e}") from None
+    if not text.strip():
+        raise ConversionError(f"--kv-calibration {path}: the file is empty")
+    return text
+
+
+def _calibrate_kv(model_dir: Path, cfg: ModelConfig, params, text: str, name: str, max_tokens: int) -> None:
+    from jaxserve.checkpoint import kv_scales
+    from jaxserve.tokenizer import Tokenizer
+
+    tokens = Tokenizer(model_dir).encode(text, add_special_tokens=False)[:min(max_tokens, cfg.max_position_embeddings)]
+    if len(tokens) < 16:
+        raise ConversionError(f"--kv-calibration {name}: {len(tokens)} tokens; give a text of at least 16")
+    scales = kv_scales.calibrate(params, cfg, tokens)
+    path = kv_scales.save(model_dir, scales, {"text": name, "tokens": len(tokens)})
+    log.info("fp8 KV scales from %d tokens of %s written to %s", len(tokens), name, path.name)
 
 
 def int4_group_hint(src: Path, group_size: int) -> str | None:

@@ -61,9 +61,9 @@ class DraftRunner(ModelRunner):
     propose (B, -FEED, P) for the batch sizes speculation runs at."""
 
     def __init__(self, model_cfg: ModelConfig, params: dict, cfg: EngineConfig, num_pages: int,
-                 batches: tuple[int, ...], mesh=None):
+                 batches: tuple[int, ...], mesh=None, kv_scales=None):
         super().__init__(model_cfg, params, dataclasses.replace(cfg, speculative=SpeculativeConfig()), num_pages,
-                         mesh)
+                         mesh, kv_scales=kv_scales)
         self.k = cfg.speculative.num_speculative_tokens
         self.propose_batches = batches
         self.prefill_batches = tuple(b for b in self.prefill_batches if b <= batches[-1]) or self.prefill_batches[:1]

@@ -42,10 +42,12 @@ from pathlib import Path
 from typing import AsyncIterator, Iterable
 
 import jax
+import numpy as np
 
+from jaxserve.checkpoint import kv_scales
 from jaxserve.checkpoint.load import load_model
 from jaxserve.checkpoint.quantize import quantize_at_load
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import faults
 from jaxserve.engine.draft import DraftRunner
 from jaxserve.engine.pages import PagePool, kv_bytes_per_page, pages_for_budget
@@ -73,6 +75,18 @@ def kv_budget_bytes(config: EngineConfig) -> int:
             return int(config.kv_cache_memory_fraction * free)
         log.info("the device reports no memory size; using kv_cache_memory_gib=%s", config.kv_cache_memory_gib)
     return int(config.kv_cache_memory_gib * 2**30)
+
+
+def fp8_kv_scales(model_dir: Path, cfg: ModelConfig, what: str = "the model") -> np.ndarray | None:
+    """The checkpoint's per-layer fp8 KV scales (checkpoint/kv_scales.py), or None for 1.0; says which."""
+    scales = kv_scales.load(model_dir, cfg.num_layers)
+    if scales is None:
+        log.info("fp8 KV cache of %s: scale 1.0 (no %s in %s; `jaxserve convert --kv-calibration` writes one)",
+                 what, kv_scales.FILE, model_dir)
+    else:
+        log.info("fp8 KV cache of %s: per-layer scales from %s (K %.3g to %.3g, V %.3g to %.3g)", what,
+                 model_dir / kv_scales.FILE, scales[0].min(), scales[0].max(), scales[1].min(), scales[1].max())
+    return scales
 
 
 class Engine:
@@ -108,9 +122,18 @@ class Engine:
         self.cache = PrefixCache(self.pool, f"{self.model_dir.resolve()}|{config.dtype}|{config.quantization}|"
                                             f"{config.kv_cache_dtype}") \
             if config.enable_prefix_caching else None
-        self.runner = ModelRunner(self.model_cfg, params, self.config, num_pages, self.mesh)
-        self.draft = None if draft is None else DraftRunner(*draft, self.config, num_pages, self.runner.verify_batches,
-                                                            self.mesh)
+        fp8 = config.kv_cache_dtype.startswith("fp8")
+        if fp8 and jax.default_backend() == "cpu":
+            # XLA's CPU backend has no float8 scatter: around every write it widens the whole cache
+            # to float16 and back (a 1 GiB cache made a 2-layer model's decode call take 35 s, not 1.5)
+            log.warning("kv_cache_dtype %s on a CPU: every step copies the whole KV cache twice per layer "
+                        "(XLA's CPU backend has no float8 scatter); int8 holds as many tokens at full speed",
+                        config.kv_cache_dtype)
+        self.runner = ModelRunner(self.model_cfg, params, self.config, num_pages, self.mesh,
+                                  kv_scales=fp8_kv_scales(self.model_dir, self.model_cfg) if fp8 else None)
+        self.draft = None if draft is None else DraftRunner(
+            *draft, self.config, num_pages, self.runner.verify_batches, self.mesh,
+            kv_scales=fp8_kv_scales(Path(config.speculative.draft_model), draft[0], "the draft model") if fp8 else None)
         max_chunk = self.config.prefill_length_buckets[-1]
         budget = self.config.prefill_token_budget or max(self.runner.prefill_batches) * max_chunk
         self.scheduler = Scheduler(SchedulerConfig(

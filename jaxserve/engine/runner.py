@@ -158,11 +158,15 @@ class ModelRunner:
     """Owns the parameters, the KV cache and the compiled step executables."""
 
     def __init__(self, model_cfg: ModelConfig, params: dict, cfg: EngineConfig, num_pages: int,
-                 mesh: Mesh | None = None, target: jax.sharding.Sharding | None = None):
+                 mesh: Mesh | None = None, target: jax.sharding.Sharding | None = None,
+                 kv_scales: np.ndarray | None = None):
         """`target`: compile ahead of time for another device (a GPU described
         by a compile-only topology: jaxserve/aot.py), placing every input there; params are ShapeDtypeStructs with
-        that sharding and the KV cache stays abstract. Such a runner compiles but never runs."""
+        that sharding and the KV cache stays abstract. Such a runner compiles but never runs.
+        `kv_scales` [2, L]: an fp8 cache's per-layer K and V scales (checkpoint/kv_scales.py), constants
+        of every step; None: 1.0."""
         self.model_cfg, self.cfg = model_cfg, cfg
+        self.kv_scales = kv_scales
         # Tensor parallelism (layers/parallel.py): weights and KV cache split over `mesh` by heads;
         # every other input and output of a call is replicated. None: one device, no shardings.
         self.mesh = mesh
@@ -254,7 +258,8 @@ class ModelRunner:
         return AttentionMetadata(positions=inp.positions, context_lens=inp.context_lens,
                                  slot_mapping=inp.slot_mapping, block_tables=inp.block_tables,
                                  sliding_window=self.model_cfg.sliding_window, attention_impl=self.attention_impl,
-                                 matmul_impl=self.matmul_impl, interpret=self.cfg.interpret, mesh=self.mesh)
+                                 matmul_impl=self.matmul_impl, interpret=self.cfg.interpret, mesh=self.mesh,
+                                 kv_scales=self.kv_scales)
 
     def _step(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays):
         meta = self._meta(inp)
@@ -325,7 +330,7 @@ class ModelRunner:
         meta = AttentionMetadata(positions=pos[:, None], context_lens=ctx, slot_mapping=slot[:, None],
                                  block_tables=block_tables, sliding_window=self.model_cfg.sliding_window,
                                  attention_impl=self.attention_impl, matmul_impl=self.matmul_impl,
-                                 interpret=self.cfg.interpret, mesh=self.mesh)
+                                 interpret=self.cfg.interpret, mesh=self.mesh, kv_scales=self.kv_scales)
         with jax.named_scope("model"):
             hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, tokens[:, None], meta, kv_cache)
             logits = self._logits(params, hidden[:, 0])

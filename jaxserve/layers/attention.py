@@ -46,19 +46,28 @@ class AttentionMetadata:
     # Tensor parallelism (layers/parallel.py): the 1-D mesh the step's weights and KV cache are
     # split over, by heads; attention then runs per shard. None: one device.
     mesh: Mesh | None = struct.field(pytree_node=False, default=None)
+    # An fp8 cache's scales [2, L] float32, (K, V) of each layer: a page holds x / scale.
+    # None: 1.0 (values kept as they are; |x| < 448 fits e4m3).
+    kv_scales: jax.Array | None = None
+
+    def fp8_scales(self, layer: jax.Array) -> tuple[jax.Array | float, jax.Array | float]:
+        """(K scale, V scale) of `layer` for an fp8 cache."""
+        if self.kv_scales is None:
+            return 1.0, 1.0
+        scales = jnp.asarray(self.kv_scales, jnp.float32)  # a numpy constant of the step, or an argument
+        return scales[0, layer], scales[1, layer]
 
 
 # KV cache storage (`[engine] kv_cache_dtype`): "auto" keeps K/V in the model's dtype, a
 # cache (k, v). "int8" stores them as int8 with a scale per token and KV head, written with
 # the token (a cache (k, v, k_scale, v_scale), scales [L, NP, PS, K] float16 beside the pages,
 # so a page is self-contained: swap and prefix caching move its scales with it). fp8 stores
-# them as float8 with one scale for the whole cache (FP8_KV_SCALE), a cache (k, v). Both
-# quantized kinds store keys and values rotated by a Hadamard matrix (`rotate`).
+# them as float8 divided by one scale per layer for K and one for V (`AttentionMetadata.kv_scales`:
+# 1.0 unless the checkpoint carries calibrated ones, jaxserve/checkpoint/kv_scales.py), a cache
+# (k, v). Both quantized kinds store keys and values rotated by a Hadamard matrix (`rotate`).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 SCALE_DTYPE = jnp.float16
 MIN_SCALE = 2.0 ** -14  # float16's smallest normal: an all-zero token keeps a finite scale
-FP8_KV_SCALE = 1.0  # K/V values are stored as x / scale; 1.0 keeps them (|x| < 448 in e4m3); the Pallas
-# kernels assume 1.0
 
 
 def kv_storage(kv_cache_dtype: str, dtype: str) -> tuple[jnp.dtype, int]:
@@ -126,24 +135,25 @@ def rotate(x: jax.Array) -> jax.Array:
     return jnp.matmul(x.astype(jnp.float32), jnp.asarray(h), precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
-def _to_fp8(x: jax.Array, dtype) -> jax.Array:
-    """Saturating cast (float8 e4m3fn has no infinity: an overflow would be NaN)."""
+def _to_fp8(x: jax.Array, dtype, scale) -> jax.Array:
+    """x / scale, saturating (float8 e4m3fn has no infinity: an overflow would be NaN)."""
     top = float(jnp.finfo(dtype).max)
-    return jnp.clip(x.astype(jnp.float32) / FP8_KV_SCALE, -top, top).astype(dtype)
+    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)
 
 
-def write_kv(cache: jax.Array, layer: jax.Array, slot_mapping: jax.Array, new: jax.Array) -> jax.Array:
+def write_kv(cache: jax.Array, layer: jax.Array, slot_mapping: jax.Array, new: jax.Array,
+             fp8_scale: jax.Array | float = 1.0) -> jax.Array:
     """Scatter this step's keys, values or their scales into one layer of the cache.
 
     cache [L, NP, PS, *E]; new [B, T, *E] (E = (K, D) for K/V, (K,) for scales); padding
     tokens carry a slot past the last page and are dropped, so they never touch a page that
-    some sequence owns.
+    some sequence owns. An fp8 cache stores new / fp8_scale.
     """
     B, T = new.shape[:2]
     page_size = cache.shape[2]
     slots = slot_mapping.reshape(B * T)
     if jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize == 1:
-        new = _to_fp8(new, cache.dtype)
+        new = _to_fp8(new, cache.dtype, fp8_scale)
     return cache.at[layer, slots // page_size, slots % page_size].set(
         new.reshape(B * T, *new.shape[2:]).astype(cache.dtype), mode="drop")
 
@@ -161,14 +171,15 @@ def gather_kv(cache: jax.Array, layer: jax.Array, block_tables: jax.Array) -> ja
     return jnp.take(rows, block_tables + layer * NP, axis=0, mode="clip").reshape(B, P * PS, *E)
 
 
-def _read_kv(cache: jax.Array, scales: jax.Array | None, layer, block_tables, dtype) -> jax.Array:
+def _read_kv(cache: jax.Array, scales: jax.Array | None, layer, block_tables, dtype,
+             fp8_scale: jax.Array | float = 1.0) -> jax.Array:
     """A layer's keys or values of each sequence [B, S, K, D] in `dtype`, dequantized."""
     x = gather_kv(cache, layer, block_tables)
     if scales is not None:
         return (x.astype(jnp.float32) * gather_kv(scales, layer, block_tables).astype(jnp.float32)[..., None]
                 ).astype(dtype)
     if x.dtype.itemsize == 1:  # fp8
-        return (x.astype(jnp.float32) * FP8_KV_SCALE).astype(dtype)
+        return (x.astype(jnp.float32) * fp8_scale).astype(dtype)
     return x
 
 
@@ -237,15 +248,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
         (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
         scales = [write_kv(scales[0], layer, meta.slot_mapping, k_scale),
                   write_kv(scales[1], layer, meta.slot_mapping, v_scale)]
-    k_cache = write_kv(k_cache, layer, meta.slot_mapping, k)
-    v_cache = write_kv(v_cache, layer, meta.slot_mapping, v)
+    ks, vs = meta.fp8_scales(layer) if rotated and not scales else (1.0, 1.0)  # fp8: per layer
+    k_cache = write_kv(k_cache, layer, meta.slot_mapping, k, ks)
+    v_cache = write_kv(v_cache, layer, meta.slot_mapping, v, vs)
     kv_cache = (k_cache, v_cache, *scales)
     if meta.attention_impl == "pallas":
-        out = _pallas_attention(q, kv_cache, meta, layer)
+        # The kernels read fp8 pages as stored: q . (ks k') = (ks q) . k', and sum p (vs v') = vs sum p v'.
+        out = _pallas_attention((q * ks).astype(q.dtype), kv_cache, meta, layer)
+        out = (out * vs).astype(q.dtype)
     else:
         k_scales, v_scales = scales or (None, None)
-        keys = _read_kv(k_cache, k_scales, layer, meta.block_tables, q.dtype)  # [B, S, K, D]
-        values = _read_kv(v_cache, v_scales, layer, meta.block_tables, q.dtype)
+        keys = _read_kv(k_cache, k_scales, layer, meta.block_tables, q.dtype, ks)  # [B, S, K, D]
+        values = _read_kv(v_cache, v_scales, layer, meta.block_tables, q.dtype, vs)
         B, S = keys.shape[:2]
         k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
         impl = attend_one if q.shape[1] == 1 else attend
@@ -270,7 +284,7 @@ def _pallas_attention(q, kv_cache, meta: AttentionMetadata, layer) -> jax.Array:
     """The Pallas kernels read K/V (and int8 scales) through the block tables; nothing is gathered."""
     from pallas_kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
-    k_cache, v_cache, *scales = kv_cache  # fp8 pages are read as they are (FP8_KV_SCALE is 1)
+    k_cache, v_cache, *scales = kv_cache  # fp8 pages are read as they are (`attention` applies their scales)
     k_scales, v_scales = scales or (None, None)
     if q.shape[1] == 1:
         out = paged_decode_attention(q[:, 0], k_cache, v_cache, meta.block_tables, meta.context_lens, layer,

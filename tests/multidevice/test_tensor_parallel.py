@@ -113,6 +113,18 @@ def test_swap_and_int8_kv_under_tensor_parallelism(tiny_dirs):
     assert llm.engine.scheduler.preemptions["swap"] > 0
 
 
+def test_fp8_kv_with_calibrated_per_layer_scales_under_tensor_parallelism(tiny_dirs, tmp_path):
+    """kv_scales.json (here scales 10x and 100x the tiny model's need, so that applying them
+    matters) reaches every shard's attention: the same tokens and logprobs as one device."""
+    from jaxserve.checkpoint import kv_scales
+
+    model_dir = tmp_path / "llama-fp8"
+    shutil.copytree(tiny_dirs["llama"], model_dir)
+    kv_scales.save(model_dir, np.array([[0.1, 0.2], [1.0, 2.0]], np.float32), {"text": "by hand", "tokens": 0})
+    llm = _assert_same(model_dir, 2, _prompts(160, seed=4), kv_cache_dtype="fp8_e4m3")
+    np.testing.assert_array_equal(llm.engine.runner.kv_scales, np.float32([[0.1, 0.2], [1.0, 2.0]]))
+
+
 def test_each_device_holds_a_third_of_the_weights_and_the_kv_cache(default_tp3):
     runner = default_tp3.engine.runner
     params, kv = runner.params, runner.kv_cache
