@@ -8,7 +8,7 @@ import pytest
 
 from server_proc import ServerProcess
 # the tests, and their client, model and tokenizer fixtures (over this module's `server`)
-from test_server import (client, model, test_chat_whole_and_streamed_agree,  # noqa: F401
+from test_server import (client, first_answer, model, test_chat_whole_and_streamed_agree,  # noqa: F401
                          test_completions_whole_streamed_and_batched, tok)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (forced host) devices")
