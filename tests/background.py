@@ -5,8 +5,9 @@ forced CPU devices (tests/test_tensor_parallel.py) and the GPU ahead-of-time com
 CUDA plugin's environment (tests/test_gpu_aot.py), together about three minutes of CPU. They
 start as soon as pytest has collected them, at the lowest CPU priority (nice 19), so they take
 the cycles the other tests leave idle (server start-ups, HTTP round trips, Ray) instead of
-adding their time to the suite's; the test waits for its job and judges its output. A job whose
-test was not collected never starts; one still running at the end is killed.
+adding their time to the suite's; the test waits for its job and judges its output. Their test
+files run last (`last`), so the jobs have the whole suite to finish in. A job whose test was not
+collected never starts; one still running at the end is killed.
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ JOBS = {
                             str(ROOT / "tests" / "multidevice")], {"XLA_FLAGS": _xla_flags(4)}),
     "gpu_aot": Job("test_gpu_aot.py", [str(AOT_PYTHON), str(ROOT / "scripts" / "gpu_aot_check.py")]),
 }
+
+
+def last(items: list) -> list:
+    """The collected tests with the job-waiting test files moved to the end, order kept otherwise."""
+    files = {job.test_file for job in JOBS.values()}
+    waits = [item for item in items if Path(str(item.fspath)).name in files]
+    return [item for item in items if item not in waits] + waits
 
 
 def start_collected(items) -> None:

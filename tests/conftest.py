@@ -15,6 +15,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     collect_ignore = ["multidevice"]
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that wait for a background job run last (tests/background.py)."""
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        from background import last
+
+        items[:] = last(items)
+
+
 def pytest_collection_finish(session):
     """Start the subprocess checks whose tests were collected (tests/background.py)."""
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
