@@ -12,6 +12,14 @@ from pathlib import Path
 import httpx
 
 
+def parse_samples(exposition: str) -> dict[tuple, float]:
+    """A Prometheus text exposition, parsed: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(exposition) for s in fam.samples}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

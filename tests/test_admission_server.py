@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from server_proc import ServerProcess
+from server_proc import ServerProcess, parse_samples
 
 CONFIG = """
 [server]
@@ -66,11 +66,9 @@ def _idle(server) -> dict:
 
 def _rejections(server) -> dict[str, float]:
     """vllm:admission_rejections_total by reason, from a real scrape of /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{server.url}/metrics", headers=LOAD, timeout=10).text
-    return {s.labels["reason"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-            if s.name == "vllm:admission_rejections_total"}
+    samples = parse_samples(httpx.get(f"{server.url}/metrics", headers=LOAD, timeout=10).text)
+    return {dict(labels)["reason"]: v for (name, labels), v in samples.items()
+            if name == "vllm:admission_rejections_total"}
 
 
 def _grown(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:

@@ -162,14 +162,6 @@ def test_invalid_requests_are_refused_clearly(engine):
     assert not engine.has_unfinished
 
 
-def _scrape(metrics) -> dict[tuple, float]:
-    """The exposition a Prometheus scrape would get, parsed: (name, sorted labels) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(metrics.render().decode()) for s in fam.samples}
-
-
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_small_page_pool_completes_everything(tiny_model_dir, mode):
     """12 pages of 16 tokens cannot hold eight 40-70 token requests at once: the scheduler waits
@@ -183,6 +175,7 @@ def test_small_page_pool_completes_everything(tiny_model_dir, mode):
     from jaxserve.engine.sequence import Status
     from jaxserve.metrics import Metrics
     from jaxserve.serving.registry import ServedModel
+    from server_proc import parse_samples
 
     opts = dict(max_num_seqs=8, decode_batch_buckets=(1, 8), context_buckets=(128,), max_model_len=128,
                 prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
@@ -218,7 +211,7 @@ def test_small_page_pool_completes_everything(tiny_model_dir, mode):
                 assert s.status in (Status.WAITING, Status.SWAPPED)  # still out of the batch after its step
                 by_mode["swap" if s.status is Status.SWAPPED else "recompute"] += s.num_preemptions - seen[s.request_id]
                 seen[s.request_id] = s.num_preemptions
-        scraped = _scrape(metrics)
+        scraped = parse_samples(metrics.render().decode())
         swapped = [s for s in seqs if s.status is Status.SWAPPED]
         assert scraped[("vllm:num_preemptions_total", label)] == sum(by_mode.values())
         for m, n in by_mode.items():
@@ -234,7 +227,7 @@ def test_small_page_pool_completes_everything(tiny_model_dir, mode):
     assert [s.finish_reason for s in seqs] == ["length"] * 8
     assert [s.output_ids for s in seqs] == [o.token_ids for o in expected]
     assert eng.pool.num_used == 0 and sched.swap_used == 0 and not sched.swapped
-    scraped = _scrape(metrics)
+    scraped = parse_samples(metrics.render().decode())
     assert scraped[("vllm:generation_tokens_total", label)] == 8 * 30
     assert scraped[("vllm:request_success_total", (("finished_reason", "length"), *label))] == 8
     assert scraped[("jaxserve:swap_space_bytes_used", label)] == 0

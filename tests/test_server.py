@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from jaxserve.tokenizer import Tokenizer
-from server_proc import ServerProcess, free_port
+from server_proc import ServerProcess, free_port, parse_samples
 
 CONFIG = """
 [server]
@@ -569,12 +569,9 @@ def test_server_caps_max_tokens(guarded):
 
 def scrape(server) -> dict[tuple, float]:
     """One real scrape of /metrics, parsed: (sample name, sorted labels) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     r = httpx.get(f"{server.url}/metrics", timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+    return parse_samples(r.text)
 
 
 def test_metrics_count_a_known_workload(server, model):

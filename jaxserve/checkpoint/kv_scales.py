@@ -36,7 +36,7 @@ def calibrate(params, cfg, tokens: list[int]) -> np.ndarray:
     for cache in (k, v):  # [L, NP, PS, K, D]; the sequence fills slots 0 .. n-1
         L = cache.shape[0]
         x = cache.reshape(L, -1, *cache.shape[3:])[:, :n]
-        amax = np.asarray(np.abs(np.asarray(rotate(x), np.float32)).max(axis=(1, 2, 3)))
+        amax = np.abs(np.asarray(rotate(x), np.float32)).max(axis=(1, 2, 3))
         scales.append(np.maximum(amax / FP8_E4M3_MAX, MIN_SCALE))
     return np.stack(scales).astype(np.float32)
 

@@ -248,14 +248,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
         (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
         scales = [write_kv(scales[0], layer, meta.slot_mapping, k_scale),
                   write_kv(scales[1], layer, meta.slot_mapping, v_scale)]
-    ks, vs = meta.fp8_scales(layer) if rotated and not scales else (1.0, 1.0)  # fp8: per layer
+    fp8 = rotated and not scales
+    ks, vs = meta.fp8_scales(layer) if fp8 else (1.0, 1.0)  # per layer
     k_cache = write_kv(k_cache, layer, meta.slot_mapping, k, ks)
     v_cache = write_kv(v_cache, layer, meta.slot_mapping, v, vs)
     kv_cache = (k_cache, v_cache, *scales)
     if meta.attention_impl == "pallas":
+        scaled = fp8 and meta.kv_scales is not None
         # The kernels read fp8 pages as stored: q . (ks k') = (ks q) . k', and sum p (vs v') = vs sum p v'.
-        out = _pallas_attention((q * ks).astype(q.dtype), kv_cache, meta, layer)
-        out = (out * vs).astype(q.dtype)
+        out = _pallas_attention((q * ks).astype(q.dtype) if scaled else q, kv_cache, meta, layer)
+        if scaled:
+            out = (out * vs).astype(q.dtype)
     else:
         k_scales, v_scales = scales or (None, None)
         keys = _read_kv(k_cache, k_scales, layer, meta.block_tables, q.dtype, ks)  # [B, S, K, D]
