@@ -104,7 +104,7 @@ def main() -> int:
             commands[label] = servers[label][2]
         before = spec_counters(servers[ON][1])
         for r in range(args.rounds):
-            for label in (ON, OFF) if r % 2 == 0 else (OFF, ON):
+            for label in in_turn(r):
                 warm = ["--warmup", "1" if r == 0 else "0"]  # each server's first turn warms it
                 rounds[label].append(bench_once(servers[label][1], label, *grounded, *warm, "--seed", str(r)))
         after = spec_counters(servers[ON][1])
@@ -124,7 +124,7 @@ def main() -> int:
     # The load ratio's two sides differ by a few %, about this machine's run-to-run spread: each
     # round starts both servers afresh, the other one first in the next round, on new prompts.
     for r in range(0 if "load" in skip else args.load_repeats):
-        for label in (ON, OFF) if r % 2 == 0 else (OFF, ON):
+        for label in in_turn(r):
             proc, url, commands[label] = start(label, out)
             try:
                 heavy.setdefault(label, []).append(bench_once(url, label, *load, "--seed", str(r)))
@@ -139,6 +139,11 @@ def main() -> int:
                         START, END)
     print(f"wrote {args.markdown} and {out}/speculative.json in {wall / 60:.1f} min", file=sys.stderr)
     return 0
+
+
+def in_turn(r: int) -> tuple[str, str]:
+    """The two jaxserve servers in round r's order: who goes first alternates."""
+    return (ON, OFF) if r % 2 == 0 else (OFF, ON)
 
 
 def combined(runs: list[dict]) -> dict:
