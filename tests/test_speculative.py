@@ -25,10 +25,13 @@ WORDS = "red green blue cyan amber slate ivory coral olive plum".split()
 def test_propose_takes_what_followed_the_latest_longest_match():
     toks = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 7, 1, 2, 3]
     assert propose(toks, 3, 2, 3) == [5, 6, 7]  # the latest "1 2 3" is followed by 5 6 7
-    assert propose(toks, 10, 2, 3) == [5, 6, 7, 1, 2, 3]  # up to the end, never past it
+    # past the end of the text the match goes on as it did: "5 6 7 1 2 3" then again "5 6 7 1"
+    assert propose(toks, 10, 2, 3) == [5, 6, 7, 1, 2, 3, 5, 6, 7, 1]
     assert propose([1, 2, 3, 4, 8, 3, 4], 2, 1, 4) == [8, 3]  # "3 4" matched, n = 2
+    assert propose([1, 2, 3, 4, 8, 3, 4], 5, 1, 4) == [8, 3, 4, 8, 3]  # a loop of period 3
     assert propose([5, 6, 7], 3, 2, 3) == []  # no earlier occurrence
-    assert propose([1, 1, 1, 1], 2, 2, 2) == [1]  # overlapping matches; the latest with a follower
+    assert propose([1, 1, 1, 1], 3, 2, 2) == [1, 1, 1]  # overlapping matches; the latest with a follower
+    assert propose([7, 8, 9, 7, 8], 4, 2, 2) == [9, 7, 8, 9]
     assert propose([1, 2], 0, 1, 2) == []
 
 

@@ -36,7 +36,16 @@ from jaxserve.engine.sampler import argmax
 
 
 def propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier match of the last n tokens (longest n first)."""
+    """k tokens that followed the latest earlier match of the last n tokens (longest n first),
+    or none when no n from n_max down to n_min matches.
+
+    The latest match may end close to the end of the text: in a loop of period p < k (a list
+    the model repeats, a line of a table) the text after it holds only p tokens. The proposal
+    then goes on the way the match did, copying from itself (token L + j is proposed as token
+    start + j, which for start + j >= L is an earlier proposed token), so a sequence that
+    repeats itself is proposed k tokens, not p. On the grounded benchmark's greedy outputs
+    (192 tokens of 16 prompts, K = 8) it cuts the verify calls from 411 to 343, the tokens
+    each one yields rising from 5.3 to 6.3 (BENCHMARKS.md)."""
     L = len(tokens)
     if k < 1 or L < n_min + 1:
         return []
@@ -48,7 +57,11 @@ def propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return arr[start:start + k].tolist()
+            out = arr[start:start + k].tolist()
+            period = L - start
+            while len(out) < k:  # past the end of the text: go on as the match did (see above)
+                out.append(out[len(out) - period])
+            return out
     return []
 
 
