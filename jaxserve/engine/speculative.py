@@ -57,11 +57,8 @@ def propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            out = arr[start:start + k].tolist()
-            period = L - start
-            while len(out) < k:  # past the end of the text: go on as the match did (see above)
-                out.append(out[len(out) - period])
-            return out
+            # token L + j is token start + j, wrapping round the period L - start (see above)
+            return arr[start + np.arange(k) % (L - start)].tolist()
     return []
 
 
