@@ -337,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache budget as a fraction of free device memory (GPUs; wins over GiB there)")
     s.add_argument("--quantization", choices=("int8", "w8a8", "none"),
                    help="int8: weight-only int8 (a float checkpoint is quantized at load); w8a8: int8 weights "
-                        "and int8 activations in every matmul of 8+ rows; none: the checkpoint as it is")
+                        "and int8 activations in every matmul of 8+ rows (weights quantized rotated); "
+                        "none: the checkpoint as it is")
     s.add_argument("--decode-steps", type=int, metavar="N", help="decode steps per device call when no prompt waits")
     s.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="launch the next decode call before reading the last one (default: on)")

@@ -248,7 +248,9 @@ class EngineConfig:
     #           int8 one is used as is): a quarter of the weight bytes; on a CPU the widening is
     #           fused into XLA's dot, faster than float32 at every batch size.
     #   "w8a8"  int8 weights as above and int8 activations (per token) in every matmul of 8 or
-    #           more rows: int8 x int8 -> int32 dots (jaxserve/layers/linear.py says when).
+    #           more rows: int8 x int8 -> int32 dots (jaxserve/layers/linear.py says when). A
+    #           float checkpoint's weights are quantized rotated, and each input rotated to
+    #           match, so outlier channels do not eat the activations' int8 range (layers/rotation.py).
     quantization: str | None = None
     # Multi-step decode: when no prompt waits for prefill, one device call runs this many decode
     # steps (1 turns it off). Arrivals wait for the call in flight, so keep it small.

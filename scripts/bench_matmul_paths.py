@@ -6,8 +6,10 @@
 A stack shaped like the default model's decoder (30 layers of its seven projections,
 d = 576, F = 1536, lax.scan over stacked weights, random weights) run through
 `jaxserve.layers.linear.linear` three ways: float32 weights; int8 weights widened inside
-the dot ("xla"); and W8A8 with the int8 x int8 path forced at every row count. Then the tied
-lm_head ([49152, 576]) the same three ways. Median ms per call.
+the dot ("xla"); W8A8 with the int8 x int8 path forced at every row count; and W8A8 over
+weights quantized rotated, as the engine's "w8a8" runs them (each matmul's input rotated
+first: jaxserve/layers/rotation.py). Then the tied lm_head ([49152, 576]) the same ways.
+Median ms per call.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jaxserve.layers.linear as lin  # noqa: E402
+from jaxserve.checkpoint.quantize import quantize_params  # noqa: E402
 from pallas_kernels.quantized_matmul.ref import quantize_int8  # noqa: E402
 
 L, D, F, HQ, K, DH, V = 30, 576, 1536, 9, 3, 64, 49152
@@ -68,13 +71,18 @@ def main() -> int:
     table = jnp.asarray(rng.standard_normal((V, D), dtype=np.float32) * 0.02)
     tq, ts = quantize_int8(table.T)
     tab8 = {"q8": tq.T, "scale": ts}
+    rot = quantize_params({"layers": {n: np.asarray(w) for n, w in wf.items()}, "embed": np.asarray(table)}, "int8",
+                          rotate=True)
+    rot = jax.tree.map(jnp.asarray, rot)
     # The tables are arguments, not closed-over constants: XLA would fold a constant's widening
     # at compile time and time a float32 head under the int8 name.
     head = {"xla": jax.jit(lambda x, t: lin.tied_logits(x, t, "xla")),
             "w8a8": jax.jit(lambda x, t: lin.tied_logits(x, t, "w8a8"))}
-    heads = {"float32": (head["xla"], table), "int8 widened": (head["xla"], tab8), "w8a8": (head["w8a8"], tab8)}
+    heads = {"float32": (head["xla"], table), "int8 widened": (head["xla"], tab8), "w8a8": (head["w8a8"], tab8),
+             "w8a8 rotated": (head["w8a8"], rot["embed"])}
     lin.W8A8_MIN_ROWS = 1  # force the int8 x int8 path everywhere, to measure it
-    stacks = {"float32": (stack("xla"), wf), "int8 widened": (stack("xla"), wq), "w8a8": (stack("w8a8"), wq)}
+    stacks = {"float32": (stack("xla"), wf), "int8 widened": (stack("xla"), wq), "w8a8": (stack("w8a8"), wq),
+              "w8a8 rotated": (stack("w8a8"), rot["layers"])}
     print(f"{'rows':>5} | " + " ".join(f"{'stack ' + k:>20}" for k in stacks) + " | "
           + " ".join(f"{'head ' + k:>19}" for k in heads) + "   (ms)")
     for rows in map(int, args.rows.split(",")):

@@ -8,9 +8,10 @@ Converts the default model's GGUF four ways (float32, the default checkpoint; in
 int4 with groups of 128, and of 32, the block size of the GGUF's own Q4_1 weights), lets the float32 model continue 8 chat prompts
 greedily for 64 tokens, then teacher-forces each quantized model on exactly those
 sequences (one cache-free forward over prompt + continuation) and counts how often its
-top-1 prediction at each continuation position equals the float32 token (W8A8 is the int8
-checkpoint run with int8 activations too; a last row simulates int8 activations per
-32-channel block against the float weights). Prints the
+top-1 prediction at each continuation position equals the float32 token, and the mean
+KL divergence from the float32 model's distribution there (W8A8 is the float checkpoint quantized
+rotated at load, as the engine does, and the int8 checkpoint run with int8 activations too; a
+last row simulates int8 activations per 32-channel block against the float weights). Prints the
 agreement and the size of each checkpoint's params/ directory. Then the KV cache rows
 (`kv_rows`): int8 and fp8 KV caches against the float32 cache, on the same sequences and on
 a 1,500-token passage.
@@ -34,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from jaxserve.checkpoint.convert import convert  # noqa: E402
 from jaxserve.checkpoint.load import load_model  # noqa: E402
-from jaxserve.checkpoint.quantize import LAYER_WEIGHTS, dequantize, param_bytes, quantize_params  # noqa: E402
+from jaxserve.checkpoint.quantize import (LAYER_WEIGHTS, dequantize, param_bytes, quantize_at_load,  # noqa: E402
+                                          quantize_params)
 from jaxserve.default_model import DEFAULT_DIR, ensure_default_model, gguf_path  # noqa: E402
 from jaxserve.layers.linear import quantize_rows  # noqa: E402
 from jaxserve.models import llama  # noqa: E402
@@ -57,22 +59,33 @@ def size_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
 
 
-def top1(params, cfg, seq: list[int], matmul_impl: str = "xla") -> np.ndarray:
+def logits(params, cfg, seq: list[int], matmul_impl: str = "xla") -> np.ndarray:
+    """[T, V] float32: one cache-free forward over the whole sequence."""
     tokens = jnp.asarray([seq], jnp.int32)
     meta = llama.reference_metadata(np.asarray([len(seq)]), len(seq), cfg)
     meta = dataclasses.replace(meta, matmul_impl=matmul_impl)
-    logits, _ = llama.forward(params, cfg, tokens, meta)
-    return np.asarray(jnp.argmax(logits[0], axis=-1))
+    out, _ = llama.forward(params, cfg, tokens, meta)
+    return np.asarray(out[0], np.float32)
 
 
-def agreement(params, cfg, seqs, tokens: int, matmul_impl: str = "xla") -> str:
+def agreement(params, cfg, seqs, tokens: int, matmul_impl: str = "xla", ref: list | None = None) -> str:
+    """Top-1 agreement with the float model's greedy tokens; with `ref` (the float model's
+    logits of each sequence) also the mean KL divergence from its next-token distribution over
+    the same positions: a steadier measure than agreement, which turns on the few positions
+    whose two best tokens nearly tie."""
     agree = total = 0
-    for ids, out in seqs:
-        pred = top1(params, cfg, ids + out, matmul_impl)
+    kl = []
+    for k, (ids, out) in enumerate(seqs):
         # the prediction at position len(ids) - 1 + i is the model's guess for out[i]
-        agree += int(np.sum(pred[len(ids) - 1: len(ids) - 1 + len(out)] == np.asarray(out)))
+        got = logits(params, cfg, ids + out, matmul_impl)[len(ids) - 1: len(ids) - 1 + len(out)]
+        agree += int(np.sum(got.argmax(-1) == np.asarray(out)))
         total += len(out)
-    return f"top-1 agreement with float32 {agree / total:.1%} ({agree}/{total} tokens, {len(seqs)} prompts x {tokens})"
+        if ref is not None:
+            p = jax.nn.log_softmax(ref[k][len(ids) - 1: len(ids) - 1 + len(out)])
+            q = jax.nn.log_softmax(got)
+            kl.append(np.asarray(jnp.sum(jnp.exp(p) * (p - q), axis=-1)))
+    text = f"top-1 agreement with float32 {agree / total:.1%} ({agree}/{total} tokens, {len(seqs)} prompts x {tokens})"
+    return text + (f", mean KL from float32 {np.concatenate(kl).mean():.4f}" if kl else "")
 
 
 def weight_error(params, ref_params) -> str:
@@ -129,6 +142,7 @@ def main() -> int:
     tok = Tokenizer(DEFAULT_DIR)
     cfg, ref_params = load_model(DEFAULT_DIR)
     seqs = chat_sequences(tok, cfg, ref_params, args.tokens)
+    ref = [logits(ref_params, cfg, i + o) for i, o in seqs]
     f32_mb = size_mb(dirs["float32"] / "params")
     f32_bytes = param_bytes(ref_params)
     print(f"float32: params/ {f32_mb:.0f} MB on disk, {f32_bytes / 1e6:.0f} MB in memory")
@@ -136,24 +150,31 @@ def main() -> int:
         _, params = load_model(dirs[mode])
         mb = size_mb(dirs[mode] / "params")
         nbytes = param_bytes(params)
-        print(f"{mode}: {agreement(params, cfg, seqs, args.tokens)}; params/ {mb:.0f} MB on disk = {mb / f32_mb:.0%} of "
-              f"float32, {nbytes / 1e6:.0f} MB in memory = {nbytes / f32_bytes:.0%}; {weight_error(params, ref_params)}")
-    # W8A8: the int8 checkpoint's weights with int8 activations (quantized per token) in
-    # every matmul, as `[engine] quantization = "w8a8"` runs it. The teacher-forced forward
-    # has one row per position, so every matmul takes the int8 x int8 path.
+        print(f"{mode}: {agreement(params, cfg, seqs, args.tokens, ref=ref)}; params/ {mb:.0f} MB on disk = "
+              f"{mb / f32_mb:.0%} of float32, {nbytes / 1e6:.0f} MB in memory = {nbytes / f32_bytes:.0%}; "
+              f"{weight_error(params, ref_params)}")
+    # W8A8 as `[engine] quantization = "w8a8"` runs it over this float checkpoint: weights
+    # quantized at load in the rotated basis, int8 activations (per token, rotated) in every
+    # matmul and the lm_head. The teacher-forced forward has one row per position, so every
+    # matmul takes the int8 x int8 path. Then the same over the int8 checkpoint, which was
+    # quantized unrotated: what the rotation buys.
+    rotated = quantize_at_load(ref_params, "w8a8")
+    print(f"w8a8 (float checkpoint quantized rotated at load, int8 activations): "
+          f"{agreement(rotated, cfg, seqs, args.tokens, 'w8a8', ref=ref)}; {weight_error(rotated, ref_params)}")
     _, params = load_model(dirs["int8"])
-    print(f"w8a8 (int8 checkpoint, int8 activations): {agreement(params, cfg, seqs, args.tokens, 'w8a8')}")
-    # The road not built yet: int8 activations per 32-channel block against the float32 weights
-    # themselves (the GGUF's Q4_1 blocks are exact small integers, so blockwise int8 x int8 dots
-    # would add no weight error). Simulated: each decoder matmul input is rounded to int8 per
-    # block and multiplied in float; the tied lm_head stays float.
+    print(f"w8a8 over the int8 checkpoint (unrotated): "
+          f"{agreement(params, cfg, seqs, args.tokens, 'w8a8', ref=ref)}")
+    # int8 activations per 32-channel block against the float32 weights themselves (the GGUF's
+    # Q4_1 blocks are exact small integers, so blockwise int8 x int8 dots would add no weight
+    # error). Simulated: each decoder matmul input is rounded to int8 per block and multiplied
+    # in float; the tied lm_head stays float.
     with block_quantized_activations(32):
         print(f"int8 activations per 32-channel block, exact weights (simulated): "
-              f"{agreement(ref_params, cfg, seqs, args.tokens)}")
+              f"{agreement(ref_params, cfg, seqs, args.tokens, ref=ref)}")
     # What the least-squares refinement of int4's scales and lows buys: the same int4-g128
     # with plain min/max scaling (quantized in memory, no checkpoint).
     minmax = quantize_params(jax.tree.map(np.asarray, ref_params), "int4", 128, refine_steps=0)
-    print(f"int4-g128 with min/max scales only: {agreement(minmax, cfg, seqs, args.tokens)}; "
+    print(f"int4-g128 with min/max scales only: {agreement(minmax, cfg, seqs, args.tokens, ref=ref)}; "
           f"{weight_error(minmax, ref_params)}")
     kv_rows(ref_params, cfg, seqs, args.tokens)
     return 0

@@ -124,6 +124,7 @@ def test_quantization_at_load(tiny_model_dir):
         outs[mode] = [o[0] for o in got]
         if mode:
             assert eng.runner.params["layers"]["wq"]["q8"].dtype == "int8"
+            assert ("signs" in eng.runner.params["layers"]["wq"]) == (mode == "w8a8")  # rotated for W8A8
             assert eng.runner.matmul_impl == ("w8a8" if mode == "w8a8" else "xla")
     for mode in ("int8", "w8a8"):
         same = sum(a == b for x, y in zip(outs[None], outs[mode]) for a, b in zip(x, y))

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+
+from jaxserve.layers.rotation import hadamard
 
 MASK_VALUE = -1e30
 
@@ -106,16 +107,6 @@ def quantize_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     scale = jnp.maximum(amax / 127.0, MIN_SCALE).astype(SCALE_DTYPE)
     q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale.astype(jnp.float32)[..., None]), -127, 127)
     return q.astype(jnp.int8), scale
-
-
-def hadamard(D: int) -> np.ndarray | None:
-    """The orthonormal Hadamard matrix [D, D] (Sylvester's construction), None unless D is a power of 2."""
-    if D < 2 or D & (D - 1):
-        return None
-    h = np.ones((1, 1), np.float32)
-    while h.shape[0] < D:
-        h = np.block([[h, h], [h, -h]])
-    return h / np.sqrt(D)
 
 
 def rotate(x: jax.Array) -> jax.Array:

@@ -11,7 +11,10 @@ A weight is a float array [K, N], or a quantized dict (jaxserve/checkpoint/quant
             into int32 by XLA (YNNPACK on a CPU), and rescaled by the token and channel
             scales. Below W8A8_MIN_ROWS rows the weight-only "xla" path is used instead;
   "auto"    pallas on a GPU, xla elsewhere.
-Float weights always take a plain XLA dot.
+Float weights always take a plain XLA dot. A weight quantized for W8A8 also carries the
+signs of the rotation it was quantized under ({"q8", "scale", "signs"}: layers/rotation.py):
+its inputs are rotated first, whatever the path, since the weight is R^T W. (The signs are
+fixed by the input width, `input_signs`; the leaf marks the weight as rotated.)
 
 Why W8A8 picks per row count (scripts/bench_matmul_paths.py measures it; on our 2-core
 AVX-512 machines, the default model's 30 layers of the seven projections, lax.scan):
@@ -37,6 +40,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.layers.parallel import weight_specs
+from jaxserve.layers.rotation import rotate_inputs, unrotate_rows
 from pallas_kernels.quantized_matmul import int4_matmul, int8_matmul, unpack_int4
 
 IMPLS = ("auto", "pallas", "xla", "w8a8")
@@ -60,6 +64,8 @@ def linear(x: jax.Array, w, impl: str = "xla", interpret: bool = False, mesh: Me
     Under tensor parallelism (`mesh`, the weight split "column" or "row": layers/parallel.py)
     XLA's partitioner splits a dot by the weight's sharding; the Pallas kernels, which it
     cannot split, run per shard."""
+    if isinstance(w, dict) and "signs" in w:  # quantized as R^T W: x @ W = (x R) @ (R^T W)
+        return linear(rotate_inputs(x), _unsigned(w), impl, interpret, mesh, split)
     if mesh is not None and impl == "pallas" and isinstance(w, dict):
         return _per_shard_linear(x, w, interpret, mesh, split)
     if not isinstance(w, dict):
@@ -79,6 +85,11 @@ def linear(x: jax.Array, w, impl: str = "xla", interpret: bool = False, mesh: Me
         else:
             y = flat @ unpack_int4(w["q4"], w["scale"], w["low"]).astype(x.dtype)
     return y.reshape(*lead, y.shape[-1]).astype(x.dtype)
+
+
+def _unsigned(w: dict) -> dict:
+    """A rotated weight without its signs: the arrays the products themselves read."""
+    return {k: a for k, a in w.items() if k != "signs"}
 
 
 def _per_shard_linear(x: jax.Array, w: dict, interpret: bool, mesh: Mesh, split: str) -> jax.Array:
@@ -132,6 +143,8 @@ def embed(table, tokens: jax.Array, dtype=jnp.float32, mesh: Mesh | None = None)
 
     A table split by vocabulary over `mesh` is read per shard: each device looks up the
     tokens in its rows (zeros for the others) and the rows are summed over the devices."""
+    if isinstance(table, dict) and "signs" in table:  # rows of E R, rotated back to rows of E
+        return unrotate_rows(embed(_unsigned(table), tokens, dtype, mesh))
     axis = _vocab_axis(table, mesh)
     if axis is not None:
         def local(table, tokens):
@@ -154,6 +167,8 @@ def tied_logits(hidden: jax.Array, table, impl: str = "xla", mesh: Mesh | None =
     With impl "w8a8" the hidden rows are quantized too, at every row count. A table split by
     vocabulary over `mesh` gives each device its logits [..., V/n] (a per-shard product:
     the chunked dot below scans the table's rows, which the partitioner would gather)."""
+    if isinstance(table, dict) and "signs" in table:  # a table quantized as E R: h E^T = (h R) (E R)^T
+        return tied_logits(rotate_inputs(hidden), _unsigned(table), impl, mesh)
     axis = _vocab_axis(table, mesh)
     if axis is not None:
         lead = [None] * (hidden.ndim - 1)

@@ -69,7 +69,10 @@ def _split(shape: tuple[int, ...], axis: int, n: int) -> P:
 
 def weight_specs(split: str, w, n: int):
     """Specs of one matmul weight, float [.., K, N] or a quantized dict, split "column" (by
-    outputs) or "row" (by inputs); a weight whose dimension does not divide n stays whole."""
+    outputs) or "row" (by inputs); a weight whose dimension does not divide n stays whole.
+    A W8A8 weight's rotation signs are whole on every device (its inputs are rotated whole)."""
+    if isinstance(w, dict) and "signs" in w:
+        return {**weight_specs(split, {k: a for k, a in w.items() if k != "signs"}, n), "signs": P()}
     if split == "column":  # outputs split: the weight's and every scale's last axis
         return jax.tree.map(lambda a: _split(a.shape, -1, n), w)
     if not isinstance(w, dict):  # ROW: inputs split
@@ -93,6 +96,8 @@ def param_specs(params: dict, n: int) -> dict:
             specs["layers"][name] = P()
     # The vocabulary: embed [V, D] (int8: q8 [V, D], scale [V]) and lm_head [D, V] by V.
     specs["embed"] = jax.tree.map(lambda a: _split(a.shape, 0, n), params["embed"])
+    if isinstance(params["embed"], dict) and "signs" in params["embed"]:  # W8A8's rotation: [D], whole
+        specs["embed"]["signs"] = P()
     if "lm_head" in params:
         specs["lm_head"] = weight_specs("column", params["lm_head"], n)
     for name in params:

@@ -75,6 +75,9 @@ def test_tiny_families_at_2_devices_match_one(tiny_dirs, variant):
     _assert_same(tiny_dirs[variant], 2, prompts)
     if variant == "llama":  # int8 weights: per-channel scales split with column weights, whole with rows
         _assert_same(tiny_dirs[variant], 2, prompts, quantization="int8")
+        # W8A8: rotated weights, their signs whole on each device; a row-parallel input's
+        # per-token absmax spans the devices
+        _assert_same(tiny_dirs[variant], 2, prompts, quantization="w8a8")
 
 
 def test_pallas_kernels_run_per_shard(tiny_dirs):
