@@ -168,7 +168,9 @@ def markdown(machine: dict, runs: dict, args, commands: dict, startup: dict, wal
              f"tokens, max concurrency {args.concurrency} with {args.num_prompts} requests per level, "
              f"{args.warmup} warm-up requests first. Latencies in ms (E2EL in s); tok/s over the whole level.", "",
              *results_table("server", runs)]
-    lines += ["", f"jaxserve runs the preset {preset_summary()}.",
+    extra = getattr(args, "jaxserve_args", "")
+    flags = f", with `{extra}` on its command line (it wins over the preset)" if extra else ""
+    lines += ["", f"jaxserve runs the preset {preset_summary()}{flags}.",
               "", f"![throughput against latency]({plot_rel})", "", "Servers (start-up until /health said 200):", ""]
     for name, cmd in commands.items():
         lines.append(f"- {name} ({startup[name]:.0f} s): `{shlex.join(cmd)}`")
@@ -248,6 +250,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="benchmarks")
     ap.add_argument("--markdown", default="BENCHMARKS.md")
+    ap.add_argument("--jaxserve-args", default="", metavar="ARGS",
+                    help="extra `jaxserve serve` flags for the jaxserve server, e.g. \"--quantization w8a8\"")
     ap.add_argument("--ablation", action="store_true",
                     help="instead of the servers: the jaxserve preset, then each of its changes switched off in turn "
                          "(use with e.g. --concurrency 16,64 --num-prompts 16,64)")
@@ -262,7 +266,8 @@ def main() -> int:
     slots = max(int(c) for c in args.concurrency.split(","))
     runs, commands, startup = {}, {}, {}
     for name in args.servers.split(","):
-        cmd, runs[name], startup[name] = serve_and_sweep(name, name, [], args, out, slots)
+        extra = shlex.split(args.jaxserve_args) if name == "jaxserve" else []
+        cmd, runs[name], startup[name] = serve_and_sweep(name, name, extra, args, out, slots)
         commands[name] = cmd
     report.save_json(out / "compare.json", {"machine": machine, "runs": runs,
                                             "commands": {k: shlex.join(v) for k, v in commands.items()}})
