@@ -77,11 +77,12 @@ def agreement(params, cfg, seqs, tokens: int, matmul_impl: str = "xla", ref: lis
     kl = []
     for k, (ids, out) in enumerate(seqs):
         # the prediction at position len(ids) - 1 + i is the model's guess for out[i]
-        got = logits(params, cfg, ids + out, matmul_impl)[len(ids) - 1: len(ids) - 1 + len(out)]
+        tail = slice(len(ids) - 1, len(ids) - 1 + len(out))
+        got = logits(params, cfg, ids + out, matmul_impl)[tail]
         agree += int(np.sum(got.argmax(-1) == np.asarray(out)))
         total += len(out)
         if ref is not None:
-            p = jax.nn.log_softmax(ref[k][len(ids) - 1: len(ids) - 1 + len(out)])
+            p = jax.nn.log_softmax(ref[k][tail])
             q = jax.nn.log_softmax(got)
             kl.append(np.asarray(jnp.sum(jnp.exp(p) * (p - q), axis=-1)))
     text = f"top-1 agreement with float32 {agree / total:.1%} ({agree}/{total} tokens, {len(seqs)} prompts x {tokens})"

@@ -40,7 +40,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.layers.parallel import weight_specs
-from jaxserve.layers.rotation import rotate_inputs, unrotate_rows
+from jaxserve.layers.rotation import rotate_inputs, unrotate_rows, unsigned
 from pallas_kernels.quantized_matmul import int4_matmul, int8_matmul, unpack_int4
 
 IMPLS = ("auto", "pallas", "xla", "w8a8")
@@ -65,7 +65,7 @@ def linear(x: jax.Array, w, impl: str = "xla", interpret: bool = False, mesh: Me
     XLA's partitioner splits a dot by the weight's sharding; the Pallas kernels, which it
     cannot split, run per shard."""
     if isinstance(w, dict) and "signs" in w:  # quantized as R^T W: x @ W = (x R) @ (R^T W)
-        return linear(rotate_inputs(x), _unsigned(w), impl, interpret, mesh, split)
+        return linear(rotate_inputs(x), unsigned(w), impl, interpret, mesh, split)
     if mesh is not None and impl == "pallas" and isinstance(w, dict):
         return _per_shard_linear(x, w, interpret, mesh, split)
     if not isinstance(w, dict):
@@ -85,11 +85,6 @@ def linear(x: jax.Array, w, impl: str = "xla", interpret: bool = False, mesh: Me
         else:
             y = flat @ unpack_int4(w["q4"], w["scale"], w["low"]).astype(x.dtype)
     return y.reshape(*lead, y.shape[-1]).astype(x.dtype)
-
-
-def _unsigned(w: dict) -> dict:
-    """A rotated weight without its signs: the arrays the products themselves read."""
-    return {k: a for k, a in w.items() if k != "signs"}
 
 
 def _per_shard_linear(x: jax.Array, w: dict, interpret: bool, mesh: Mesh, split: str) -> jax.Array:
@@ -144,7 +139,7 @@ def embed(table, tokens: jax.Array, dtype=jnp.float32, mesh: Mesh | None = None)
     A table split by vocabulary over `mesh` is read per shard: each device looks up the
     tokens in its rows (zeros for the others) and the rows are summed over the devices."""
     if isinstance(table, dict) and "signs" in table:  # rows of E R, rotated back to rows of E
-        return unrotate_rows(embed(_unsigned(table), tokens, dtype, mesh))
+        return unrotate_rows(embed(unsigned(table), tokens, dtype, mesh))
     axis = _vocab_axis(table, mesh)
     if axis is not None:
         def local(table, tokens):
@@ -168,7 +163,7 @@ def tied_logits(hidden: jax.Array, table, impl: str = "xla", mesh: Mesh | None =
     vocabulary over `mesh` gives each device its logits [..., V/n] (a per-shard product:
     the chunked dot below scans the table's rows, which the partitioner would gather)."""
     if isinstance(table, dict) and "signs" in table:  # a table quantized as E R: h E^T = (h R) (E R)^T
-        return tied_logits(rotate_inputs(hidden), _unsigned(table), impl, mesh)
+        return tied_logits(rotate_inputs(hidden), unsigned(table), impl, mesh)
     axis = _vocab_axis(table, mesh)
     if axis is not None:
         lead = [None] * (hidden.ndim - 1)

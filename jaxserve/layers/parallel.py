@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
+from jaxserve.layers.rotation import unsigned
 
 AXIS = "tp"
 COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
@@ -72,7 +73,7 @@ def weight_specs(split: str, w, n: int):
     outputs) or "row" (by inputs); a weight whose dimension does not divide n stays whole.
     A W8A8 weight's rotation signs are whole on every device (its inputs are rotated whole)."""
     if isinstance(w, dict) and "signs" in w:
-        return {**weight_specs(split, {k: a for k, a in w.items() if k != "signs"}, n), "signs": P()}
+        return {**weight_specs(split, unsigned(w), n), "signs": P()}
     if split == "column":  # outputs split: the weight's and every scale's last axis
         return jax.tree.map(lambda a: _split(a.shape, -1, n), w)
     if not isinstance(w, dict):  # ROW: inputs split

@@ -72,18 +72,24 @@ def unrotate_rows(x: jax.Array) -> jax.Array:
     return (_blocks(x.astype(jnp.float32)) * input_signs(x.shape[-1])).astype(x.dtype)
 
 
-def rotate_weight(w: np.ndarray, signs: np.ndarray) -> np.ndarray:
-    """W [.., K, N] -> R^T W (numpy, at load): rows scaled by s, then mixed within blocks."""
-    w = np.asarray(w, np.float32) * signs[:, None]
-    K, N = w.shape[-2:]
-    b = block_size(K)
-    blocks = w.reshape(*w.shape[:-2], K // b, b, N)
-    return np.einsum("ij,...bjn->...bin", hadamard(b), blocks).reshape(w.shape)
-
-
-def unrotate_weight(w: np.ndarray, signs: np.ndarray) -> np.ndarray:
-    """R^T W [K, N] -> W (numpy): mixed within blocks (H_b H_b = I), then rows scaled by s."""
+def _mix_rows(w: np.ndarray) -> np.ndarray:
+    """W [.., K, N] -> blockdiag(H_b, ...) @ W (numpy): rows mixed within each block of b."""
     K, N = w.shape[-2:]
     b = block_size(K)
     blocks = np.asarray(w, np.float32).reshape(*w.shape[:-2], K // b, b, N)
-    return np.einsum("ij,...bjn->...bin", hadamard(b), blocks).reshape(w.shape) * signs[..., :, None]
+    return np.einsum("ij,...bjn->...bin", hadamard(b), blocks).reshape(w.shape)
+
+
+def rotate_weight(w: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """W [.., K, N] -> R^T W (numpy, at load): rows scaled by s, then mixed within blocks."""
+    return _mix_rows(np.asarray(w, np.float32) * signs[:, None])
+
+
+def unrotate_weight(w: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """R^T W [.., K, N] -> W (numpy): mixed within blocks (H_b H_b = I), then rows scaled by s."""
+    return _mix_rows(w) * signs[..., :, None]
+
+
+def unsigned(w: dict) -> dict:
+    """A rotated weight without its "signs" leaf: the arrays the products and shardings read."""
+    return {k: a for k, a in w.items() if k != "signs"}
