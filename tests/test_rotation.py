@@ -112,3 +112,39 @@ def test_signs_are_whole_on_every_device():
                                              "signs": np.ones(8, np.float32)}}
     specs = parallel.param_specs(params, 2)
     assert specs["embed"]["signs"] == P() and specs["embed"]["q8"] != P()
+
+
+def test_w8a8_engine_is_batch_invariant_and_drafting_for_itself_is_always_accepted(tiny_model_dir):
+    """Through the engine: with quantization "w8a8" a request's greedy tokens alone (decode
+    steps of one row, under W8A8_MIN_ROWS) equal its tokens among 12 (steps of 16 rows, the
+    int8 x int8 dot), and the model drafting for itself under W8A8 (draft steps of one row,
+    verify steps of 5 rows per sequence) has every draft accepted: the same numbers on both paths."""
+    import random
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.engine import Engine
+    from jaxserve.engine.sequence import SamplingParams
+
+    base = dict(max_num_seqs=16, decode_batch_buckets=(1, 16), context_buckets=(128,), max_model_len=128,
+                prefill_length_buckets=(64,), prefill_batch_buckets=(1, 4), compilation_cache_dir=None,
+                quantization="w8a8")
+    plain = Engine(tiny_model_dir, EngineConfig(**base))
+    spec = Engine(tiny_model_dir, EngineConfig(**base, speculative={
+        "method": "draft", "draft_model": str(tiny_model_dir), "num_speculative_tokens": 4,
+        "disable_above_batch_size": 16}))
+    assert "signs" in plain.runner.params["layers"]["wq"]  # rotated W8A8 weights
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(3, 40))] for _ in range(12)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+    def run(engine, prompts):
+        seqs = [engine.add_request(p, params) for p in prompts]
+        engine.run_until_done()
+        return [s.output_ids for s in seqs]
+
+    batched = run(plain, prompts)
+    assert [run(plain, [p])[0] for p in prompts] == batched
+    before = spec.spec_counts
+    assert run(spec, prompts) == batched
+    rows, drafted, accepted = (a - b for a, b in zip(spec.spec_counts, before))
+    assert drafted > 100 and accepted == drafted

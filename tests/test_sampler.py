@@ -92,8 +92,8 @@ def test_logit_bias_by_hand():
 def test_w8a8_matmul_against_the_float_product():
     """W8A8 against x @ dequantized(w): the only extra error is the activations' rounding to
     int8 per row, at most half a step (absmax / 127 / 2) per element, so the error is bounded
-    by sum_k |w_kn| * step_m / 2; below W8A8_MIN_ROWS rows the weight-only path is taken (its
-    result equals the dequantized product to float rounding)."""
+    by sum_k |w_kn| * step_m / 2, at every row count (below W8A8_MIN_ROWS rows the same
+    integers are multiplied in float32)."""
     import numpy as np
     import pytest
 
@@ -108,16 +108,42 @@ def test_w8a8_matmul_against_the_float_product():
         x = rng.standard_normal((rows, 96)).astype(np.float32) * 3
         got = np.asarray(linear(jnp.asarray(x), {"q8": q, "scale": s}, "w8a8"))
         want = x @ wd
-        if rows < W8A8_MIN_ROWS:
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
-            continue
         step = np.abs(x).max(axis=1, keepdims=True) / 127
         bound = (step / 2) @ np.abs(wd).sum(axis=0, keepdims=True) + 1e-4
         assert np.all(np.abs(got - want) <= bound)
-        assert np.abs(got - want).max() > 1e-6  # the int8 path really ran (it is not exact)
+        assert np.abs(got - want).max() > 1e-6, rows  # the activations really were rounded (it is not exact)
     xq, xs = quantize_rows(jnp.asarray([[0.0, 0.0], [-2.0, 1.0]]))
     assert xq.dtype == jnp.int8 and np.asarray(xq).tolist() == [[0, 0], [-127, 64]]
     assert np.asarray(xs)[:, 0].tolist() == pytest.approx([1.0, 2 / 127])
+
+
+@pytest.mark.parametrize("K", [576, 1536])
+def test_w8a8_gives_a_row_the_same_bits_at_every_row_count(K):
+    """Batch invariance of W8A8: below W8A8_MIN_ROWS rows the int8 values are multiplied in
+    float32 over chunks of K whose sums float32 holds exactly, so a row's output is the int8
+    dot's, bit for bit, whatever number of rows shares the call (1536: two chunks). The same
+    for the tied lm_head. And the worst case, every product 127 * 127 over 1041 terms (past
+    2**24, an odd integer float32 cannot hold), is still exact."""
+    import jax
+    import numpy as np
+
+    from jaxserve.layers.linear import EXACT_F32_TERMS, W8A8_MIN_ROWS, _exact_int_dot, linear, tied_logits
+    from pallas_kernels.quantized_matmul.ref import quantize_int8
+
+    rng = np.random.default_rng(K)
+    q, s = quantize_int8(rng.standard_normal((K, 64)).astype(np.float32))
+    tq, ts = quantize_int8(rng.standard_normal((K, 5000)).astype(np.float32))  # a [V, D] table, transposed
+    mm = jax.jit(lambda x: linear(x, {"q8": q, "scale": s}, "w8a8"))
+    head = jax.jit(lambda x: tied_logits(x, {"q8": tq.T, "scale": ts}, "w8a8"))
+    x = jnp.asarray(rng.standard_normal((W8A8_MIN_ROWS + 5, K)).astype(np.float32) * 3)
+    for f in (mm, head):
+        many = np.asarray(f(x))
+        for rows in (1, 2, W8A8_MIN_ROWS - 1):
+            assert np.array_equal(np.asarray(f(x[:rows])), many[:rows]), (f, rows)
+    n = EXACT_F32_TERMS + 1
+    assert n * 127 * 127 > 2**24 and (n * 127 * 127) % 2 == 1
+    got = _exact_int_dot(jnp.full((1, n), 127, jnp.int8), jnp.full((n, 3), 127, jnp.int8))
+    assert got.dtype == jnp.int32 and np.asarray(got).tolist() == [[n * 127 * 127] * 3]
 
 
 def _filtered_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float,

@@ -9,7 +9,8 @@ A weight is a float array [K, N], or a quantized dict (jaxserve/checkpoint/quant
   "w8a8"    int8 activations x int8 weights: each row of x is quantized on the fly
             (absmax over the row, one scale per token), multiplied with the int8 weight
             into int32 by XLA (YNNPACK on a CPU), and rescaled by the token and channel
-            scales. Below W8A8_MIN_ROWS rows the weight-only "xla" path is used instead;
+            scales. Below W8A8_MIN_ROWS rows the same int8 values are multiplied as
+            float32, exactly (`_exact_int_dot`): the same result bit for bit, faster there;
   "auto"    pallas on a GPU, xla elsewhere.
 Float weights always take a plain XLA dot. A weight quantized for W8A8 also carries the
 signs of the rotation it was quantized under ({"q8", "scale", "signs"}: layers/rotation.py):
@@ -22,14 +23,19 @@ AVX-512 machines, the default model's 30 layers of the seven projections, lax.sc
     float32 weights   18.5    21.9     23.4     97.3  ms
     int8, dequantized 11.8    12.1     15.7     82.3  ms  (XLA fuses the widening into the dot)
     W8A8 int8 x int8  21.0    21.2     15.9     60.9  ms  (YNNPACK refuses M = 1; padded to 8)
-so below 8 rows the int8 weight is widened inside the dot and from 8 rows on both operands
-are int8. The tied lm_head ([V, D] table, 49152 x 576):
+so below 8 rows the int8 weight is widened inside a float32 dot and from 8 rows on both
+operands are int8 in an int32 dot. W8A8 widens the int8 *activations* too below 8 rows, and
+sums over chunks of K short enough that float32 holds every partial sum exactly: the result
+is the integer the int8 dot computes, so a sequence's tokens do not depend on how many rows
+its batch has (batch invariance; exact speculative decoding, whose verify step has more rows
+than a decode step). The tied lm_head ([V, D] table, 49152 x 576):
                       1 row   8 rows   64 rows
     float32 table      5.0    10.1     25.0  ms
     int8, widened     46.7    49.8     57.8  ms  (whole: a 113 MB float copy per call)
     int8, by chunks    2.2     5.4     23.7  ms  (4096 rows at a time, _widened_rows_dot)
     W8A8 int8 x int8   3.4     3.7     13.9  ms
-so "w8a8" runs it int8 x int8 at every row count and "xla" widens it chunk by chunk.
+so "xla" widens it chunk by chunk, and "w8a8" multiplies int8 x int8 from 8 rows and its int8
+values widened chunk by chunk (exactly, as above) below.
 """
 
 from __future__ import annotations
@@ -44,7 +50,10 @@ from jaxserve.layers.rotation import rotate_inputs, unrotate_rows, unsigned
 from pallas_kernels.quantized_matmul import int4_matmul, int8_matmul, unpack_int4
 
 IMPLS = ("auto", "pallas", "xla", "w8a8")
-W8A8_MIN_ROWS = 8  # fewer rows take the weight-only path (see the table above)
+W8A8_MIN_ROWS = 8  # fewer rows multiply the int8 values in float32, exactly (see the table above)
+# int8 x int8 products are at most 127 * 127; float32 holds every integer below 2**24 exactly,
+# so a sum of this many of them (1040 * 16129 < 2**24) is exact in any order.
+EXACT_F32_TERMS = 2 ** 24 // 127 ** 2
 W8A8_PAD_ROWS = 8  # YNNPACK runs no int8 dot with one row: pad up to this many
 LOGITS_CHUNK = 4096  # rows of an int8 lm_head table widened at a time (see _widened_rows_dot)
 
@@ -73,7 +82,7 @@ def linear(x: jax.Array, w, impl: str = "xla", interpret: bool = False, mesh: Me
     lead, K = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, K)
     if "q8" in w:
-        if impl == "w8a8" and flat.shape[0] >= W8A8_MIN_ROWS:
+        if impl == "w8a8":
             y = w8a8_matmul(flat, w["q8"], w["scale"])
         elif impl == "pallas":
             y = int8_matmul(flat, w["q8"], w["scale"], interpret=interpret)
@@ -121,10 +130,31 @@ def _int8_dot(xq: jax.Array, wq: jax.Array, dims) -> jax.Array:
     return jax.lax.dot_general(xq, wq, (dims, ((), ())), preferred_element_type=jnp.int32)[:M]
 
 
+def _exact_int_dot(xq: jax.Array, wq: jax.Array) -> jax.Array:
+    """int8 [M, K] @ int8 [K, N] -> int32 [M, N], the int8 dot's exact result, as float32 dots.
+
+    Each dot covers at most EXACT_F32_TERMS of K, so all its partial sums are integers float32
+    holds exactly, whatever order the CPU adds them in; the chunks are added in int32. XLA
+    fuses the widening of the weight into the dot (the weight-only path's speed at few rows:
+    the table in the module docstring), where YNNPACK's int8 dot needs 8 rows."""
+    K = xq.shape[1]
+    n = -(-K // EXACT_F32_TERMS)
+    size = -(-K // n)
+    acc = None
+    for lo in range(0, K, size):
+        part = jnp.matmul(xq[:, lo:lo + size].astype(jnp.float32), wq[lo:lo + size].astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST).astype(jnp.int32)
+        acc = part if acc is None else acc + part
+    return acc
+
+
 def w8a8_matmul(x: jax.Array, q8: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [M, K] float, q8 int8 [K, N] with per-channel scale [N] -> float32 [M, N]."""
+    """x [M, K] float, q8 int8 [K, N] with per-channel scale [N] -> float32 [M, N].
+
+    The same for a row whatever M is: the integer product is exact on both paths."""
     xq, xs = quantize_rows(x)
-    return _int8_dot(xq, q8, ((1,), (0,))).astype(jnp.float32) * xs * scale.astype(jnp.float32)
+    acc = _int8_dot(xq, q8, ((1,), (0,))) if x.shape[0] >= W8A8_MIN_ROWS else _exact_int_dot(xq, q8)
+    return acc.astype(jnp.float32) * xs * scale.astype(jnp.float32)
 
 
 def _vocab_axis(table, mesh: Mesh | None) -> str | None:
@@ -159,7 +189,8 @@ def tied_logits(hidden: jax.Array, table, impl: str = "xla", mesh: Mesh | None =
 
     An int8 table's per-row scales are per output channel of this product, so they are
     applied after the dot. (Always XLA: the table is [V, D], not the kernels' [K, N].)
-    With impl "w8a8" the hidden rows are quantized too, at every row count. A table split by
+    With impl "w8a8" the hidden rows are quantized too, at every row count (below
+    W8A8_MIN_ROWS rows multiplied as float32, exactly, where that is faster). A table split by
     vocabulary over `mesh` gives each device its logits [..., V/n] (a per-shard product:
     the chunked dot below scans the table's rows, which the partitioner would gather)."""
     if isinstance(table, dict) and "signs" in table:  # a table quantized as E R: h E^T = (h R) (E R)^T
@@ -174,7 +205,11 @@ def tied_logits(hidden: jax.Array, table, impl: str = "xla", mesh: Mesh | None =
     lead, flat = hidden.shape[:-1], hidden.reshape(-1, hidden.shape[-1])
     if impl == "w8a8":
         xq, xs = quantize_rows(flat)
-        out = _int8_dot(xq, table["q8"], ((1,), (1,))).astype(jnp.float32) * xs * table["scale"].astype(jnp.float32)
+        if flat.shape[0] < W8A8_MIN_ROWS and flat.shape[1] <= EXACT_F32_TERMS:  # exact, as _exact_int_dot
+            acc = _widened_rows_dot(xq.astype(jnp.float32), table["q8"])
+        else:
+            acc = _int8_dot(xq, table["q8"], ((1,), (1,))).astype(jnp.float32)
+        out = acc * xs * table["scale"].astype(jnp.float32)
         return out.reshape(*lead, -1).astype(hidden.dtype)
     out = _widened_rows_dot(flat, table["q8"])
     return out.reshape(*lead, -1) * table["scale"].astype(hidden.dtype)
