@@ -247,8 +247,9 @@ class EngineConfig:
     #   "int8"  weight-only int8 per output channel (a float checkpoint is quantized at load; an
     #           int8 one is used as is): a quarter of the weight bytes; on a CPU the widening is
     #           fused into XLA's dot, faster than float32 at every batch size.
-    #   "w8a8"  int8 weights as above and int8 activations (per token) in every matmul of 8 or
-    #           more rows: int8 x int8 -> int32 dots (jaxserve/layers/linear.py says when). A
+    #   "w8a8"  int8 weights as above and int8 activations (per token) in every matmul: int8 x
+    #           int8 -> int32 dots from 8 rows, the same integers multiplied exactly in float32
+    #           below (jaxserve/layers/linear.py), so a row's result does not depend on its batch. A
     #           float checkpoint's weights are quantized rotated, and each input rotated to
     #           match, so outlier channels do not eat the activations' int8 range (layers/rotation.py).
     quantization: str | None = None

@@ -144,7 +144,7 @@ def test_an_int4_checkpoint_is_refused_by_w8a8():
 
 
 def test_serve_flags_override_the_preset(tiny_model_dir):
-    """`jaxserve serve --config configs/server.toml` runs int8, 4-step calls and overlap; the flags
+    """`jaxserve serve --config configs/server.toml` runs W8A8, 4-step calls and overlap; the flags
     switch each off (the ablation in BENCHMARKS.md starts servers this way)."""
     from pathlib import Path
 
@@ -153,11 +153,11 @@ def test_serve_flags_override_the_preset(tiny_model_dir):
     preset = str(Path(__file__).resolve().parent.parent / "configs" / "server.toml")
     base = ["serve", "--config", preset, "--model", str(tiny_model_dir)]
     _, eng = serve_configs(build_parser().parse_args(base))
-    assert (eng.quantization, eng.decode_steps, eng.overlap) == ("int8", 4, True)
+    assert (eng.quantization, eng.decode_steps, eng.overlap) == ("w8a8", 4, True)
     _, eng = serve_configs(build_parser().parse_args(
         base + ["--quantization", "none", "--decode-steps", "1", "--no-overlap"]))
     assert (eng.quantization, eng.decode_steps, eng.overlap) == (None, 1, False)
-    _, eng = serve_configs(build_parser().parse_args(base + ["--quantization", "w8a8"]))
-    assert eng.quantization == "w8a8" and eng.decode_steps == 4 and eng.enable_prefix_caching
+    _, eng = serve_configs(build_parser().parse_args(base + ["--quantization", "int8"]))
+    assert eng.quantization == "int8" and eng.decode_steps == 4 and eng.enable_prefix_caching
     _, eng = serve_configs(build_parser().parse_args(base + ["--no-enable-prefix-caching"]))
-    assert not eng.enable_prefix_caching and eng.quantization == "int8"
+    assert not eng.enable_prefix_caching and eng.quantization == "w8a8"
