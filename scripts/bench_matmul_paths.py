@@ -9,7 +9,8 @@ d = 576, F = 1536, lax.scan over stacked weights, random weights) run through
 the dot ("xla"); W8A8 with the int8 x int8 path forced at every row count; W8A8 over
 weights quantized rotated (each matmul's input rotated first: jaxserve/layers/rotation.py),
 forced the same way; and that as the engine's "w8a8" runs it ("served": below
-W8A8_MIN_ROWS rows the int8 values multiplied exactly in float32). Then the tied lm_head ([49152, 576]) the same ways.
+W8A8_MIN_ROWS rows the int8 values multiplied exactly in float32, from W8A8_BF16_ROWS in
+bfloat16). Then the tied lm_head ([49152, 576]) the same ways.
 Median ms per call.
 """
 
@@ -36,9 +37,9 @@ SHAPES = {"wq": (D, HQ * DH), "wk": (D, K * DH), "wv": (D, K * DH), "wo": (HQ * 
           "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
 
 
-def stack(impl: str, w8a8_min_rows: int = 1):
-    """The decoder stack, jitted; W8A8 takes its int8 x int8 dot from `w8a8_min_rows` rows
-    (1: at every row count, to time that path; lin.W8A8_MIN_ROWS: as the engine runs it)."""
+def stack(impl: str, served: bool = False):
+    """The decoder stack, jitted; W8A8 as the engine runs it (`served`: its path picked by row
+    count) or with its int8 x int8 dot at every row count, to time that path."""
     mm = functools.partial(lin.linear, impl=impl)
 
     def body(x, p):
@@ -47,12 +48,14 @@ def stack(impl: str, w8a8_min_rows: int = 1):
         x = x + mm(jax.nn.silu(mm(x, p["w_gate"])) * mm(x, p["w_up"]), p["w_down"])
         return x * 0.5, None
 
-    def run(x, w):  # traced once, on the first call: the threshold is read while tracing
-        saved, lin.W8A8_MIN_ROWS = lin.W8A8_MIN_ROWS, w8a8_min_rows
+    def run(x, w):  # traced once, on the first call: the thresholds are read while tracing
+        saved = lin.W8A8_MIN_ROWS, lin.W8A8_BF16_ROWS
+        if not served:
+            lin.W8A8_MIN_ROWS, lin.W8A8_BF16_ROWS = 1, 1 << 30
         try:
             return jax.lax.scan(body, x, w)[0]
         finally:
-            lin.W8A8_MIN_ROWS = saved
+            lin.W8A8_MIN_ROWS, lin.W8A8_BF16_ROWS = saved
 
     return jax.jit(run)
 
@@ -92,7 +95,7 @@ def main() -> int:
              "w8a8 rotated": (head["w8a8"], rot["embed"])}
     stacks = {"float32": (stack("xla"), wf), "int8 widened": (stack("xla"), wq), "w8a8": (stack("w8a8"), wq),
               "w8a8 rotated": (stack("w8a8"), rot["layers"]),
-              "w8a8 rot. served": (stack("w8a8", lin.W8A8_MIN_ROWS), rot["layers"])}
+              "w8a8 rot. served": (stack("w8a8", served=True), rot["layers"])}
     print(f"{'rows':>5} | " + " ".join(f"{'stack ' + k:>20}" for k in stacks) + " | "
           + " ".join(f"{'head ' + k:>19}" for k in heads) + "   (ms)")
     for rows in map(int, args.rows.split(",")):

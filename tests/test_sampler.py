@@ -120,14 +120,16 @@ def test_w8a8_matmul_against_the_float_product():
 @pytest.mark.parametrize("K", [576, 1536])
 def test_w8a8_gives_a_row_the_same_bits_at_every_row_count(K):
     """Batch invariance of W8A8: below W8A8_MIN_ROWS rows the int8 values are multiplied in
-    float32 over chunks of K whose sums float32 holds exactly, so a row's output is the int8
-    dot's, bit for bit, whatever number of rows shares the call (1536: two chunks). The same
-    for the tied lm_head. And the worst case, every product 127 * 127 over 1041 terms (past
-    2**24, an odd integer float32 cannot hold), is still exact."""
+    float32, from W8A8_BF16_ROWS in bfloat16, over chunks of K whose sums float32 holds
+    exactly, so a row's output is the int8 dot's, bit for bit, whatever number of rows shares
+    the call (1536: two chunks). The same for the tied lm_head. And the worst case, every
+    product 127 * 127 over 1041 terms (past 2**24, an odd integer float32 cannot hold), is
+    still exact on both float paths."""
     import jax
     import numpy as np
 
-    from jaxserve.layers.linear import EXACT_F32_TERMS, W8A8_MIN_ROWS, _exact_int_dot, linear, tied_logits
+    from jaxserve.layers.linear import (EXACT_F32_TERMS, W8A8_BF16_ROWS, W8A8_MIN_ROWS, _exact_int_dot, linear,
+                                        tied_logits)
     from pallas_kernels.quantized_matmul.ref import quantize_int8
 
     rng = np.random.default_rng(K)
@@ -135,15 +137,16 @@ def test_w8a8_gives_a_row_the_same_bits_at_every_row_count(K):
     tq, ts = quantize_int8(rng.standard_normal((K, 5000)).astype(np.float32))  # a [V, D] table, transposed
     mm = jax.jit(lambda x: linear(x, {"q8": q, "scale": s}, "w8a8"))
     head = jax.jit(lambda x: tied_logits(x, {"q8": tq.T, "scale": ts}, "w8a8"))
-    x = jnp.asarray(rng.standard_normal((W8A8_MIN_ROWS + 5, K)).astype(np.float32) * 3)
+    x = jnp.asarray(rng.standard_normal((W8A8_BF16_ROWS + 5, K)).astype(np.float32) * 3)
     for f in (mm, head):
-        many = np.asarray(f(x))
-        for rows in (1, 2, W8A8_MIN_ROWS - 1):
+        many = np.asarray(f(x))  # the bfloat16 path (the head's: int8 x int8)
+        for rows in (1, 2, W8A8_MIN_ROWS - 1, W8A8_MIN_ROWS, W8A8_BF16_ROWS - 1):
             assert np.array_equal(np.asarray(f(x[:rows])), many[:rows]), (f, rows)
     n = EXACT_F32_TERMS + 1
     assert n * 127 * 127 > 2**24 and (n * 127 * 127) % 2 == 1
-    got = _exact_int_dot(jnp.full((1, n), 127, jnp.int8), jnp.full((n, 3), 127, jnp.int8))
-    assert got.dtype == jnp.int32 and np.asarray(got).tolist() == [[n * 127 * 127] * 3]
+    for via in (jnp.float32, jnp.bfloat16):
+        got = _exact_int_dot(jnp.full((1, n), 127, jnp.int8), jnp.full((n, 3), 127, jnp.int8), via)
+        assert got.dtype == jnp.int32 and np.asarray(got).tolist() == [[n * 127 * 127] * 3]
 
 
 def _filtered_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float,

@@ -28,7 +28,13 @@ operands are int8 in an int32 dot. W8A8 widens the int8 *activations* too below 
 sums over chunks of K short enough that float32 holds every partial sum exactly: the result
 is the integer the int8 dot computes, so a sequence's tokens do not depend on how many rows
 its batch has (batch invariance; exact speculative decoding, whose verify step has more rows
-than a decode step). The tied lm_head ([V, D] table, 49152 x 576):
+than a decode step). At prefill sizes YNNPACK's int8 dot falls behind this CPU's bfloat16 dot
+(AVX512-BF16), which holds int8 values exactly, so from W8A8_BF16_ROWS rows the same integers
+go through bfloat16 (the stack above, rotated W8A8, 2026-12-06):
+                      256 rows   512 rows   1024 rows
+    int8 x int8        236.6      432.0      878.2  ms
+    as served          235.6      336.7      691.6  ms  (bfloat16 from 512 rows)
+The tied lm_head ([V, D] table, 49152 x 576):
                       1 row   8 rows   64 rows
     float32 table      5.0    10.1     25.0  ms
     int8, widened     46.7    49.8     57.8  ms  (whole: a 113 MB float copy per call)
@@ -54,6 +60,7 @@ W8A8_MIN_ROWS = 8  # fewer rows multiply the int8 values in float32, exactly (se
 # int8 x int8 products are at most 127 * 127; float32 holds every integer below 2**24 exactly,
 # so a sum of this many of them (1040 * 16129 < 2**24) is exact in any order.
 EXACT_F32_TERMS = 2 ** 24 // 127 ** 2
+W8A8_BF16_ROWS = 512  # from this many rows W8A8 multiplies its int8 values as bfloat16 (exactly)
 W8A8_PAD_ROWS = 8  # YNNPACK runs no int8 dot with one row: pad up to this many
 LOGITS_CHUNK = 4096  # rows of an int8 lm_head table widened at a time (see _widened_rows_dot)
 
@@ -130,20 +137,24 @@ def _int8_dot(xq: jax.Array, wq: jax.Array, dims) -> jax.Array:
     return jax.lax.dot_general(xq, wq, (dims, ((), ())), preferred_element_type=jnp.int32)[:M]
 
 
-def _exact_int_dot(xq: jax.Array, wq: jax.Array) -> jax.Array:
-    """int8 [M, K] @ int8 [K, N] -> int32 [M, N], the int8 dot's exact result, as float32 dots.
+def _exact_int_dot(xq: jax.Array, wq: jax.Array, via=jnp.float32) -> jax.Array:
+    """int8 [M, K] @ int8 [K, N] -> int32 [M, N], the int8 dot's exact result, as float dots.
 
-    Each dot covers at most EXACT_F32_TERMS of K, so all its partial sums are integers float32
-    holds exactly, whatever order the CPU adds them in; the chunks are added in int32. XLA
-    fuses the widening of the weight into the dot (the weight-only path's speed at few rows:
-    the table in the module docstring), where YNNPACK's int8 dot needs 8 rows."""
+    The int8 values are widened to `via` (float32, or bfloat16, whose 8-bit significand holds
+    every int8 exactly) and multiplied with float32 accumulation; each dot covers at most
+    EXACT_F32_TERMS of K, so all its partial sums are integers float32 holds exactly, whatever
+    order the CPU adds them in; the chunks are added in int32. Where this is faster than
+    YNNPACK's int8 dot (the table in the module docstring): float32 below 8 rows, where XLA
+    fuses the weight's widening into the dot; bfloat16 from W8A8_BF16_ROWS rows (prefill),
+    where this CPU's bfloat16 dot product instructions outrun its int8 ones."""
     K = xq.shape[1]
     n = -(-K // EXACT_F32_TERMS)
     size = -(-K // n)
     acc = None
     for lo in range(0, K, size):
-        part = jnp.matmul(xq[:, lo:lo + size].astype(jnp.float32), wq[lo:lo + size].astype(jnp.float32),
-                          precision=jax.lax.Precision.HIGHEST).astype(jnp.int32)
+        part = jax.lax.dot(xq[:, lo:lo + size].astype(via), wq[lo:lo + size].astype(via),
+                           precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        part = part.astype(jnp.int32)
         acc = part if acc is None else acc + part
     return acc
 
@@ -151,9 +162,15 @@ def _exact_int_dot(xq: jax.Array, wq: jax.Array) -> jax.Array:
 def w8a8_matmul(x: jax.Array, q8: jax.Array, scale: jax.Array) -> jax.Array:
     """x [M, K] float, q8 int8 [K, N] with per-channel scale [N] -> float32 [M, N].
 
-    The same for a row whatever M is: the integer product is exact on both paths."""
+    The same for a row whatever M is: the integer product is exact on every path."""
     xq, xs = quantize_rows(x)
-    acc = _int8_dot(xq, q8, ((1,), (0,))) if x.shape[0] >= W8A8_MIN_ROWS else _exact_int_dot(xq, q8)
+    M = x.shape[0]
+    if M < W8A8_MIN_ROWS:
+        acc = _exact_int_dot(xq, q8, jnp.float32)
+    elif M >= W8A8_BF16_ROWS:
+        acc = _exact_int_dot(xq, q8, jnp.bfloat16)
+    else:
+        acc = _int8_dot(xq, q8, ((1,), (0,)))
     return acc.astype(jnp.float32) * xs * scale.astype(jnp.float32)
 
 
