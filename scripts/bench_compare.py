@@ -59,7 +59,7 @@ ABLATION = {
     "overlap off": ["--no-overlap"],
     "multi-step off (decode_steps 1)": ["--decode-steps", "1"],
     "float32 weights (quantization none)": ["--quantization", "none"],
-    "W8A8 instead of int8": ["--quantization", "w8a8"],
+    "int8 weight-only instead of W8A8": ["--quantization", "int8"],
     "coarse context buckets (256, 1024, 2048)": ["--config", "{coarse}"],
 }
 
