@@ -248,8 +248,9 @@ class EngineConfig:
     #           int8 one is used as is): a quarter of the weight bytes; on a CPU the widening is
     #           fused into XLA's dot, faster than float32 at every batch size.
     #   "w8a8"  int8 weights as above and int8 activations (per token) in every matmul: int8 x
-    #           int8 -> int32 dots from 8 rows, the same integers multiplied exactly in float32
-    #           below (jaxserve/layers/linear.py), so a row's result does not depend on its batch. A
+    #           int8 -> int32 dots, the same integers multiplied exactly in float32 below 8 rows
+    #           and in bfloat16 from 512 (jaxserve/layers/linear.py: faster there), so a row's
+    #           result does not depend on its batch. A
     #           float checkpoint's weights are quantized rotated, and each input rotated to
     #           match, so outlier channels do not eat the activations' int8 range (layers/rotation.py).
     quantization: str | None = None
