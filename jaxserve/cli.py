@@ -161,7 +161,7 @@ def serve_configs(args):
                              ("kv_cache_memory_fraction", args.kv_cache_memory_fraction),
                              ("quantization", args.quantization), ("decode_steps", args.decode_steps),
                              ("overlap", args.overlap), ("enable_prefix_caching", args.enable_prefix_caching),
-                             ("kv_cache_dtype", args.kv_cache_dtype),
+                             ("kv_cache_dtype", args.kv_cache_dtype), ("attention_impl", args.attention_impl),
                              ("tensor_parallel_size", args.tensor_parallel_size))
            if v is not None}
     spec = _speculative_options(args)
@@ -345,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV pages of prompt prefixes computed before (default: on)")
     _kv_cache_dtype_argument(s)
+    s.add_argument("--attention-impl", choices=("auto", "pallas", "xla", "cpu"),
+                   help="attention kernel: auto (Pallas on a GPU; on a CPU the C++ decode kernel over float32 "
+                        "pages, else XLA), pallas, xla, or cpu (default auto)")
     _tensor_parallel_argument(s)
     _speculative_arguments(s)
     s.add_argument("--log-format", choices=("text", "json"), default="text",

@@ -241,7 +241,9 @@ class EngineConfig:
     swap_min_tokens: int = 256
     max_preemptions: int = 3  # a sequence preempted this often keeps its slot from then on
     dtype: str = "float32"
-    attention_impl: str = "auto"  # auto | pallas | xla: auto is Pallas on a GPU, XLA elsewhere
+    # auto | pallas | xla | cpu: auto is Pallas on a GPU; on a CPU the C++ decode kernel
+    # (layers/cpu_attention.py) over float32 pages, else XLA
+    attention_impl: str = "auto"
     matmul_impl: str = "auto"  # the same, for int8/int4 weights (float weights always use XLA)
     # Quantization applied when the model loads (None: the checkpoint as it is):
     #   "int8"  weight-only int8 per output channel (a float checkpoint is quantized at load; an
@@ -310,9 +312,10 @@ class EngineConfig:
             raise ConfigError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
         if self.swap_space_gib < 0 or self.swap_min_tokens < 0 or self.max_preemptions < 0:
             raise ConfigError("swap_space_gib, swap_min_tokens and max_preemptions must be >= 0")
-        for name in ("attention_impl", "matmul_impl"):
-            if getattr(self, name) not in ("auto", "pallas", "xla"):
-                raise ConfigError(f"{name} must be auto, pallas or xla, got {getattr(self, name)!r}")
+        if self.attention_impl not in ("auto", "pallas", "xla", "cpu"):
+            raise ConfigError(f"attention_impl must be auto, pallas, xla or cpu, got {self.attention_impl!r}")
+        if self.matmul_impl not in ("auto", "pallas", "xla"):
+            raise ConfigError(f"matmul_impl must be auto, pallas or xla, got {self.matmul_impl!r}")
         if self.quantization not in (None, "int8", "w8a8"):
             raise ConfigError(f"quantization must be int8 or w8a8 (or unset), got {self.quantization!r}")
         if self.decode_steps < 1:

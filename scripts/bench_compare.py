@@ -56,6 +56,7 @@ def free_port() -> int:
 # --ablation: the preset, then one of its changes switched off (or swapped) at a time.
 ABLATION = {
     "preset": [],
+    "XLA decode attention instead of the CPU kernel": ["--attention-impl", "xla"],
     "overlap off": ["--no-overlap"],
     "multi-step off (decode_steps 1)": ["--decode-steps", "1"],
     "float32 weights (quantization none)": ["--quantization", "none"],

@@ -76,3 +76,13 @@ def test_impl_names_are_checked():
 
     with pytest.raises(ConfigError, match="attention_impl"):
         EngineConfig(attention_impl="cuda")
+
+
+def test_cpu_decode_kernel_engine_matches_xla(tiny_model_dir):
+    """The C++ decode kernel (attention_impl "cpu", what "auto" picks on a CPU) through the whole
+    engine: prefill on XLA, every decode step on the kernel, the same greedy tokens as XLA's."""
+    want = greedy(tiny_model_dir, "xla")
+    llm = LLM(tiny_model_dir, **{**small("xla"), "attention_impl": "cpu"})
+    assert llm.engine.runner.attention_impl == "cpu"
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want

@@ -50,8 +50,8 @@ from jaxserve.engine.sampler import (NUM_TOP_LOGPROBS, SampleOutput, SamplingArr
                                      sample, uniform_noise)
 from jaxserve.engine.sequence import SamplingParams, Sequence
 from jaxserve.engine.speculative import ACCEPT_STREAM, accept_drafts, accepted_lengths
-from jaxserve.layers import parallel
-from jaxserve.layers.attention import AttentionMetadata, init_kv_cache, pallas_reads_kv
+from jaxserve.layers import cpu_attention, parallel
+from jaxserve.layers.attention import AttentionMetadata, init_kv_cache, kv_storage, pallas_reads_kv
 from jaxserve.layers.linear import resolve as resolve_impl
 from jaxserve.models import family
 
@@ -154,6 +154,25 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def resolve_attention(cfg: EngineConfig, ahead_of_time: bool = False) -> str:
+    """The attention kernel a step uses: `cfg.attention_impl`, with "auto" resolved to Pallas on a
+    GPU and, on a CPU, to the C++ decode kernel (layers/cpu_attention.py) where it is built and the
+    pages are float32, else XLA. Steps compiled for another device (`ahead_of_time`) never use it."""
+    store = kv_storage(cfg.kv_cache_dtype, cfg.dtype)[0]
+    if cfg.attention_impl == "cpu":
+        if ahead_of_time or jax.default_backend() != "cpu" or not cpu_attention.reads(store):
+            raise ValueError(f"attention_impl cpu runs on a CPU over float32 KV pages; these are {store} "
+                             f"on {'another target' if ahead_of_time else jax.default_backend()}")
+        if cpu_attention.unavailable():
+            raise ValueError(f"attention_impl cpu: the kernel is unavailable ({cpu_attention.unavailable()})")
+        return "cpu"
+    impl = resolve_impl(cfg.attention_impl)
+    if (cfg.attention_impl == "auto" and impl == "xla" and not ahead_of_time and cpu_attention.reads(store)
+            and cpu_attention.available()):
+        return "cpu"
+    return impl
+
+
 class ModelRunner:
     """Owns the parameters, the KV cache and the compiled step executables."""
 
@@ -175,7 +194,7 @@ class ModelRunner:
             params = jax.device_put(params, parallel.param_shardings(params, mesh))  # a no-op where placed
         self.params = params
         self.model = family(model_cfg)
-        self.attention_impl = resolve_impl(cfg.attention_impl)
+        self.attention_impl = resolve_attention(cfg, target is not None)
         device = next(iter(target.device_set)) if target is not None else \
             mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
         if self.attention_impl == "pallas" and not pallas_reads_kv(cfg.kv_cache_dtype, device):

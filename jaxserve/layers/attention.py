@@ -1,5 +1,6 @@
 """Attention over a paged KV cache: the one dispatch point for the attention kernel
-(`AttentionMetadata.attention_impl`: the XLA reference here, or the Pallas kernels).
+(`AttentionMetadata.attention_impl`: the XLA reference here, the Pallas kernels, or the C++
+decode kernel on a CPU, layers/cpu_attention.py).
 
 The cache is `[L, num_pages, page_size, K, D]` per K and V. A token's slot is
 `page * page_size + offset`; a sequence's block table lists its pages in order, so
@@ -27,6 +28,7 @@ from flax import struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.layers.cpu_attention import paged_decode_attention as paged_decode_attention_cpu
 from jaxserve.layers.rotation import hadamard
 
 MASK_VALUE = -1e30
@@ -39,8 +41,9 @@ class AttentionMetadata:
     slot_mapping: jax.Array | None = None  # [B, T] int32 flat cache slot per token; >= num_slots drops it
     block_tables: jax.Array | None = None  # [B, P] int32 pages of each sequence, in order
     sliding_window: int | None = struct.field(pytree_node=False, default=None)
-    # Kernel choices, static so that a jitted step is specialised on them: "xla" or
-    # "pallas" (resolved from "auto" by the engine); interpret runs Pallas kernels on CPU.
+    # Kernel choices, static so that a jitted step is specialised on them: "xla", "pallas" or,
+    # for attention, "cpu" (the C++ decode kernel; prefill stays on XLA), resolved from "auto"
+    # by the engine; interpret runs Pallas kernels on CPU.
     attention_impl: str = struct.field(pytree_node=False, default="xla")
     matmul_impl: str = struct.field(pytree_node=False, default="xla")
     interpret: bool = struct.field(pytree_node=False, default=False)
@@ -250,7 +253,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
         out = _pallas_attention((q * ks).astype(q.dtype) if scaled else q, kv_cache, meta, layer)
         if scaled:
             out = (out * vs).astype(q.dtype)
-    else:
+    elif meta.attention_impl == "cpu" and q.shape[1] == 1 and k_cache.dtype == jnp.float32:
+        out = paged_decode_attention_cpu(q[:, 0], k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                         meta.positions[:, 0], layer, meta.sliding_window)[:, None].astype(q.dtype)
+    else:  # XLA; also the "cpu" choice's prefill steps (T > 1)
         k_scales, v_scales = scales or (None, None)
         keys = _read_kv(k_cache, k_scales, layer, meta.block_tables, q.dtype, ks)  # [B, S, K, D]
         values = _read_kv(v_cache, v_scales, layer, meta.block_tables, q.dtype, vs)
