@@ -15,7 +15,8 @@ Three parts, all on the same engine:
      generated and total tok/s.
 The engine takes `--config`'s [engine] settings (default: the serving preset, int8 weights)
 with the sizes given here, and runs single decode steps. Each decode line also gives decode
-attention alone (K/V gathered over the context bucket and attended, all layers) and its share
+attention alone (all layers, with the engine's attention kernel: on a CPU the C++ kernel over the
+sequences' pages, with attention_impl "xla" K/V gathered over the context bucket) and its share
 of the step.
 Achieved weight bandwidth = parameter bytes x decode steps / decode time (each step
 reads every weight once); GFLOP/s = 2 x parameters x tokens / time (attention excluded).
@@ -79,10 +80,12 @@ class StepTimer:
 
 
 def attention_ms(engine: Engine, batch: int, context: int, repeats: int = 5) -> float:
-    """Median ms of decode attention alone for `batch` sequences of `context` tokens: every
-    layer's K/V pages gathered from the engine's cache and attended (what the XLA decode step
-    runs per layer, without the cache write), random pages, on the same context bucket."""
+    """Median ms of decode attention alone for `batch` sequences of `context` tokens, all layers,
+    over the engine's cache (random pages, without the cache write), with the engine's kernel:
+    the C++ kernel reading pages in place ("cpu"), or K/V pages gathered over the context bucket
+    and attended as the XLA decode step does."""
     from jaxserve.layers.attention import attend_one, gather_kv
+    from jaxserve.layers.cpu_attention import paged_decode_attention
 
     runner, cfg = engine.runner, engine.model_cfg
     k_cache, v_cache = runner.kv_cache
@@ -97,8 +100,11 @@ def attention_ms(engine: Engine, batch: int, context: int, repeats: int = 5) -> 
     @jax.jit
     def run(q, k_cache, v_cache):
         def layer(x, i):
-            out = attend_one(q + x, gather_kv(k_cache, i, tables), gather_kv(v_cache, i, tables), lens[:, None] - 1,
-                             k_pos, lens, None)
+            if runner.attention_impl == "cpu":
+                out = paged_decode_attention((q + x)[:, 0], k_cache, v_cache, tables, lens, lens - 1, i)[:, None]
+            else:
+                out = attend_one(q + x, gather_kv(k_cache, i, tables), gather_kv(v_cache, i, tables),
+                                 lens[:, None] - 1, k_pos, lens, None)
             return x + out, None
         return jax.lax.scan(layer, jnp.zeros_like(q), jnp.arange(L))[0]
 
@@ -149,7 +155,7 @@ def main(argv=None) -> int:
     param_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))
     print(f"engine: {n_params / 1e6:.1f}M parameters ({param_bytes / 1e9:.2f} GB), {engine.pool.num_pages} pages, "
           f"{len(engine.runner.buckets())} step buckets compiled in {engine.compile_seconds:.1f}s "
-          f"(start-up {time.perf_counter() - t0:.1f}s)")
+          f"(start-up {time.perf_counter() - t0:.1f}s); attention {engine.runner.attention_impl}")
 
     results = {"peaks": peaks, "compile_s": engine.compile_seconds, "params": n_params}
     for n in (1, args.concurrency):
