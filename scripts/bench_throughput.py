@@ -138,6 +138,7 @@ def main(argv=None) -> int:
                     help="[engine] settings (quantization, buckets) of this preset, with the sizes above")
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attention-impl", choices=("auto", "xla", "cpu"), help="replace the preset's attention kernel")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
 
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
     cfg = dataclasses.replace(
         preset, max_num_seqs=args.concurrency, max_model_len=args.max_model_len,
         decode_batch_buckets=tuple(b for b in preset.decode_batch_buckets if b < args.concurrency) + (args.concurrency,),
-        context_buckets=tuple(c for c in preset.context_buckets if c < args.max_model_len) + (args.max_model_len,))
+        context_buckets=tuple(c for c in preset.context_buckets if c < args.max_model_len) + (args.max_model_len,),
+        attention_impl=args.attention_impl or preset.attention_impl)
     t0 = time.perf_counter()
     engine = Engine(args.model, cfg)
     n_params = sum(a.size for a in jax.tree.leaves(engine.runner.params))
