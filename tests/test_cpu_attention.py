@@ -122,3 +122,11 @@ def test_auto_picks_the_kernel_for_float32_pages_only():
     assert resolve_attention(EngineConfig(), ahead_of_time=True) == "xla"
     with pytest.raises(ValueError, match="float32 KV pages"):
         resolve_attention(EngineConfig(attention_impl="cpu", kv_cache_dtype="int8"))
+
+
+def test_loading_the_kernel_leaves_denormals_alone():
+    """The library is compiled with -ffast-math but not linked with it: GCC's crtfastmath.o would
+    switch the loading thread to flush-to-zero, changing every float computation after it."""
+    assert cpu_attention.available()
+    tiny = np.float32(1e-40)  # a float32 denormal
+    assert tiny * np.float32(1.0) != 0 and np.asarray([tiny], np.float32)[0] / 2 != 0

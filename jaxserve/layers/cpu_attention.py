@@ -32,7 +32,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "paged_decode_attention.cc"
 TARGET = "jaxserve_paged_decode_attention"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp-simd")
+# Compiled with -ffast-math (vectorised reductions and exp) but linked without it: linking with it
+# adds GCC's crtfastmath.o, which sets flush-to-zero for the whole process when the library loads.
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC", "-fopenmp-simd")
+LINK_FLAGS = ("-shared", "-pthread")
 
 
 def _cpu_flags() -> str:
@@ -52,21 +55,21 @@ def _build() -> Path:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS + LINK_FLAGS).encode(),
+                                     jaxlib.__version__.encode(), _cpu_flags().encode()])).hexdigest()[:16]
     root = Path(os.environ.get("JAXSERVE_KERNEL_CACHE", "~/.cache/jaxserve/kernels")).expanduser()
     lib = root / f"paged_decode_attention-{key}.so"
     if lib.exists():
         return lib
     root.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
-    os.close(fd)
-    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-    os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same file
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        obj, out = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+        for cmd in ([cxx, *FLAGS, "-I", jax.ffi.include_dir(), "-c", str(SOURCE), "-o", str(obj)],
+                    [cxx, *LINK_FLAGS, str(obj), "-o", str(out)]):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(out, lib)  # atomic: a concurrent build of the same key writes the same file
     return lib
 
 
