@@ -9,7 +9,7 @@ The kernel is compiled on first use with the machine's C++ compiler (`$CXX`, els
 this CPU (`-march=native`, as llama.cpp builds by default) against the FFI headers that ship
 with jaxlib, and cached under `~/.cache/jaxserve/kernels` (or `$JAXSERVE_KERNEL_CACHE`), keyed
 by the source, the flags, jaxlib's version and the CPU's feature flags. Where it cannot be built
-(no compiler), `available()` says why and "auto" falls back to XLA's attention.
+(no compiler), `unavailable()` says why (logged once) and "auto" falls back to XLA's attention.
 """
 
 from __future__ import annotations
