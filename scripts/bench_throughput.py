@@ -84,8 +84,7 @@ def attention_ms(engine: Engine, batch: int, context: int, repeats: int = 5) -> 
     over the engine's cache (random pages, without the cache write), with the engine's kernel:
     the C++ kernel reading pages in place ("cpu"), or K/V pages gathered over the context bucket
     and attended as the XLA decode step does."""
-    from jaxserve.layers.attention import attend_one, gather_kv
-    from jaxserve.layers.cpu_attention import paged_decode_attention
+    from jaxserve.layers.attention import AttentionMetadata, attend_pages
 
     runner, cfg = engine.runner, engine.model_cfg
     k_cache, v_cache = runner.kv_cache
@@ -95,17 +94,13 @@ def attention_ms(engine: Engine, batch: int, context: int, repeats: int = 5) -> 
     tables = jnp.asarray(rng.permutation(NP)[:batch * P].reshape(batch, P), jnp.int32)
     q = jnp.asarray(rng.standard_normal((batch, 1, cfg.num_heads, cfg.head_dim), dtype=np.float32))
     lens = jnp.full((batch,), context, jnp.int32)
-    k_pos = jnp.broadcast_to(jnp.arange(P * PS, dtype=jnp.int32)[None], (batch, P * PS))
+    meta = AttentionMetadata(positions=lens[:, None] - 1, context_lens=lens, block_tables=tables,
+                             attention_impl=runner.attention_impl)
 
     @jax.jit
     def run(q, k_cache, v_cache):
         def layer(x, i):
-            if runner.attention_impl == "cpu":
-                out = paged_decode_attention((q + x)[:, 0], k_cache, v_cache, tables, lens, lens - 1, i)[:, None]
-            else:
-                out = attend_one(q + x, gather_kv(k_cache, i, tables), gather_kv(v_cache, i, tables),
-                                 lens[:, None] - 1, k_pos, lens, None)
-            return x + out, None
+            return x + attend_pages(q + x, (k_cache, v_cache), meta, i), None
         return jax.lax.scan(layer, jnp.zeros_like(q), jnp.arange(L))[0]
 
     run(q, k_cache, v_cache).block_until_ready()

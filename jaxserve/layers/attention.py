@@ -242,29 +242,38 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
         (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
         scales = [write_kv(scales[0], layer, meta.slot_mapping, k_scale),
                   write_kv(scales[1], layer, meta.slot_mapping, v_scale)]
-    fp8 = rotated and not scales
-    ks, vs = meta.fp8_scales(layer) if fp8 else (1.0, 1.0)  # per layer
+    ks, vs = meta.fp8_scales(layer) if rotated and not scales else (1.0, 1.0)  # fp8: per layer
     k_cache = write_kv(k_cache, layer, meta.slot_mapping, k, ks)
     v_cache = write_kv(v_cache, layer, meta.slot_mapping, v, vs)
     kv_cache = (k_cache, v_cache, *scales)
+    out = attend_pages(q, kv_cache, meta, layer)
+    return (rotate(out) if rotated else out), kv_cache  # H is symmetric and orthonormal: H H = I
+
+
+def attend_pages(q: jax.Array, kv_cache: tuple[jax.Array, ...], meta: AttentionMetadata, layer) -> jax.Array:
+    """q [B, T, Hq, D] (rotated, for a quantized cache) against its sequences' pages of one
+    layer, this step's tokens already written, with `meta.attention_impl`'s kernel: the Pallas
+    kernels; the C++ decode kernel ("cpu", T == 1 over float32 pages); else XLA (K/V gathered
+    over the block tables' width, dequantized, attended). Returns [B, T, Hq, D]."""
+    k_cache, v_cache, *scales = kv_cache
+    fp8 = k_cache.dtype.itemsize == 1 and not scales
+    ks, vs = meta.fp8_scales(layer) if fp8 else (1.0, 1.0)
     if meta.attention_impl == "pallas":
         scaled = fp8 and meta.kv_scales is not None
         # The kernels read fp8 pages as stored: q . (ks k') = (ks q) . k', and sum p (vs v') = vs sum p v'.
         out = _pallas_attention((q * ks).astype(q.dtype) if scaled else q, kv_cache, meta, layer)
-        if scaled:
-            out = (out * vs).astype(q.dtype)
-    elif meta.attention_impl == "cpu" and q.shape[1] == 1 and k_cache.dtype == jnp.float32:
-        out = paged_decode_attention_cpu(q[:, 0], k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                         meta.positions[:, 0], layer, meta.sliding_window)[:, None].astype(q.dtype)
-    else:  # XLA; also the "cpu" choice's prefill steps (T > 1)
-        k_scales, v_scales = scales or (None, None)
-        keys = _read_kv(k_cache, k_scales, layer, meta.block_tables, q.dtype, ks)  # [B, S, K, D]
-        values = _read_kv(v_cache, v_scales, layer, meta.block_tables, q.dtype, vs)
-        B, S = keys.shape[:2]
-        k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
-        impl = attend_one if q.shape[1] == 1 else attend
-        out = impl(q, keys, values, meta.positions, k_pos, meta.context_lens, meta.sliding_window)
-    return (rotate(out) if rotated else out), kv_cache  # H is symmetric and orthonormal: H H = I
+        return (out * vs).astype(q.dtype) if scaled else out
+    if meta.attention_impl == "cpu" and q.shape[1] == 1 and k_cache.dtype == jnp.float32:
+        return paged_decode_attention_cpu(q[:, 0], k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                          meta.positions[:, 0], layer, meta.sliding_window)[:, None].astype(q.dtype)
+    # XLA; also the "cpu" choice's prefill steps (T > 1)
+    k_scales, v_scales = scales or (None, None)
+    keys = _read_kv(k_cache, k_scales, layer, meta.block_tables, q.dtype, ks)  # [B, S, K, D]
+    values = _read_kv(v_cache, v_scales, layer, meta.block_tables, q.dtype, vs)
+    B, S = keys.shape[:2]
+    k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
+    impl = attend_one if q.shape[1] == 1 else attend
+    return impl(q, keys, values, meta.positions, k_pos, meta.context_lens, meta.sliding_window)
 
 
 def _per_shard(q, k, v, meta: AttentionMetadata, kv_cache, layer):
