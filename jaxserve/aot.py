@@ -274,9 +274,8 @@ def step_cases(tname: str, model: str, weights: str, engine: EngineConfig | None
 
 def extreme_buckets(keys: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     """The buckets where a step's temporaries peak: the largest decode batch and the largest
-    prefill batch x chunk, each at the widest context. (Smaller buckets change the kernels'
-    grids, not their blocks, which kernel_cases compiles at one row too; `make gpu-aot`
-    compiles every bucket.)"""
+    prefill batch x chunk, each at the widest context (scripts/gpu_aot_check.py --steps
+    extremes, a quick look; its default and `make test` compile every bucket)."""
     decode = [k for k in keys if k[1] == 0]
     prefill = [k for k in keys if k[1] > 0]
     return [max(decode, key=lambda k: (k[0], k[2])), max(prefill, key=lambda k: (k[0] * k[1], k[2]))]
@@ -284,16 +283,18 @@ def extreme_buckets(keys: list[tuple[int, int, int]]) -> list[tuple[int, int, in
 
 # The roofline model ---------------------------------------------------------------------------
 
-def roofline(runner, key: tuple[int, int, int], peak: dict) -> dict:
+def roofline(runner, key: tuple[int, int, int], peak: dict, context: int | None = None) -> dict:
     """A lower bound of one step's time for bucket key = (B, T, P) (T = 0: one decode step) on a
     device with `peak` (PEAKS): max(flops / peak FLOP/s, bytes / bandwidth). Bytes: the matmul
-    weights read once (an untied embedding is only gathered) and every row's K/V over the
-    bucket's whole context; flops: 2 per matmul weight per row, 4 * heads * head_dim per row,
-    context slot and layer for attention, and the logits of one row per sequence. A model, not a
-    measurement; tokens/s is the rows a step makes over that time."""
+    weights read once (an untied embedding is only gathered) and every sequence's K/V over
+    `context` tokens (None: the bucket's whole width, P pages; the Pallas kernels read only a
+    sequence's own pages, so a step's cost follows its contexts, not its width); flops: 2 per
+    matmul weight per row, 4 * heads * head_dim per row, context slot and layer for attention,
+    and the logits of one row per sequence. A model, not a measurement; tokens/s is the rows a
+    step makes over that time."""
     cfg, ecfg = runner.model_cfg, runner.cfg
     B, T, P_ = key
-    rows, S = B * max(T, 1), P_ * ecfg.page_size
+    rows, S = B * max(T, 1), min(context or P_ * ecfg.page_size, P_ * ecfg.page_size)
     L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     Hq, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layer_weights = L * (D * Hq * Dh + 2 * D * K * Dh + Hq * Dh * D + 3 * D * F)

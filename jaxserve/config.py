@@ -211,7 +211,9 @@ class EngineConfig:
     Buckets: every step is padded to one of a few shapes, all compiled ahead of time
     at start-up, so serving never compiles. Decode steps are [B, 1] with B from
     `decode_batch_buckets` and attention over a context padded to one of
-    `context_buckets` tokens (shorter contexts read fewer pages). Prefill steps are
+    `context_buckets` tokens (shorter contexts read fewer pages where XLA attends; the
+    Pallas kernels read each sequence's own pages whatever the width, so under them the
+    engine compiles max_model_len alone). Prefill steps are
     [B, T] with B from `prefill_batch_buckets` and T from `prefill_length_buckets`;
     prompts longer than the largest T are prefilled in chunks.
 

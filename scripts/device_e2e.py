@@ -83,7 +83,7 @@ def generate(cfg: ModelConfig, params: dict, dtype: str, impl: str, interpret: b
 
 
 def modeled_ms(runner, items) -> float | None:
-    """jaxserve/aot.py's roofline lower bound of the last decode call's bucket on this device
+    """jaxserve/aot.py's roofline lower bound of the last decode call's bucket and context on this device
     (None where its peaks are not known, e.g. a CPU): the model checked against the measurement."""
     from jaxserve import aot
 
@@ -91,8 +91,9 @@ def modeled_ms(runner, items) -> float | None:
     if peak is None:
         return None
     B = _bucket(len(items), runner.decode_batches)  # as runner._launch_decode picks them for one step
-    P = _bucket(-(-(max(it.start for it in items) + 1) // runner.page_size), runner.context_page_buckets)
-    return aot.roofline(runner, (B, 0, P), peak)["model_ms"]
+    context = max(it.start for it in items) + 1
+    P = _bucket(-(-context // runner.page_size), runner.context_page_buckets)
+    return aot.roofline(runner, (B, 0, P), peak, context)["model_ms"]
 
 
 def main() -> int:

@@ -12,6 +12,8 @@ import subprocess
 import jax
 import pytest
 
+from jaxserve.config import EngineConfig
+
 from background import AOT_PYTHON, JOBS, ROOT
 
 pytestmark = pytest.mark.skipif(not AOT_PYTHON.exists(), reason="no CUDA-plugin environment: make install-gpu-aot")
@@ -32,6 +34,13 @@ def test_kernels_and_engine_steps_compile_for_a100_and_h100():
     assert done and done.group(1) == done.group(2), lines[-1]
     ok = [line.split(maxsplit=3) for line in lines if line.startswith("ok ")]
     assert len(ok) == int(done.group(2))
+    # Every step bucket of the engine's defaults under the Pallas kernels: each decode batch and
+    # each prefill batch x chunk, at the one context width those kernels need (max_model_len).
+    eng = EngineConfig()
+    P = -(-eng.max_model_len // eng.page_size)
+    buckets = {f"decode B={b} P={P}" for b in eng.decode_batch_buckets} | {
+        f"prefill B={b} T={t} P={P}" for b in eng.prefill_batch_buckets for t in eng.prefill_length_buckets}
+    assert len(buckets) == 13
     for target in ("sm_80", "sm_90"):
         names = [name for _, t, _, name in ok if t == target]
         for kind in ("paged_decode_attention", "paged_prefill_attention", "int8_matmul", "int4_matmul"):
@@ -39,7 +48,7 @@ def test_kernels_and_engine_steps_compile_for_a100_and_h100():
         for model in ("smollm2-135m", "llama-3-8b"):
             for weights in ("bfloat16", "int8"):
                 steps = [n for n in names if n.startswith(f"step {model} {weights} weights:")]
-                assert {n.split(": ")[1].split()[0] for n in steps} == {"decode", "prefill"}, steps
+                assert sorted(n.split(": ")[1].split(" (")[0] for n in steps) == sorted(buckets), (target, steps)
     # int8 KV pages and, where Triton converts them (sm_89 and up), float8 e4m3 pages
     assert any("sm_90" == t and "KV fp8_e4m3" in n for _, t, _, n in ok)
     assert not any("sm_80" == t and "KV fp8_e4m3" in n for _, t, _, n in ok)

@@ -23,13 +23,16 @@ PROMPTS = [[5, 17, 300, 42, 7], list(range(100, 123)), [9] * 40]
 
 
 def small(impl: str) -> dict:
-    return dict(max_num_seqs=4, max_model_len=64, decode_batch_buckets=(4,), context_buckets=(64,),
+    return dict(max_num_seqs=4, max_model_len=64, decode_batch_buckets=(4,), context_buckets=(32, 64),
                 prefill_batch_buckets=(1,), prefill_length_buckets=(32,), num_pages=32, compilation_cache_dir=None,
                 attention_impl=impl, matmul_impl=impl, interpret=impl == "pallas")
 
 
 def greedy(model_dir, impl: str, **options) -> list[list[int]]:
     llm = LLM(model_dir, **small(impl), **options)
+    # XLA attends over a context bucket's every slot, so it compiles both widths (2 and 4 pages);
+    # the Pallas kernels read a sequence's own pages, so one width (max_model_len) serves all.
+    assert llm.engine.runner.context_page_buckets == ((4,) if impl == "pallas" else (2, 4))
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert llm.engine.pool.num_used == 0
     return [o.token_ids for o in outs]
