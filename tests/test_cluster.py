@@ -17,6 +17,7 @@ The policy, config and metrics merging have unit tests at the end that need no c
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -300,8 +301,11 @@ def _hit_rate(cluster: Cluster, model: str, conversations: int = 8, turns: int =
 
 
 def test_prefix_affinity_finds_repeated_prompts_cached_where_random_routing_does_not(cluster):
-    affinity = _hit_rate(cluster, "smol")
-    random_ = _hit_rate(cluster, "smol-random")
+    # Both deployments are measured at once: each sends its own chats one request at a time, so
+    # each router still decides with its own replicas idle (run one after the other, the two
+    # took twice as long).
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        affinity, random_ = pool.map(lambda model: _hit_rate(cluster, model), ["smol", "smol-random"])
     print(f"cached share of repeated prompt tokens, 8 conversations x 3 turns over 2 replicas: "
           f"prefix affinity {affinity:.1%}, random {random_:.1%}")
     # Only whole pages are cached and the last answer token has no KV yet: a turn repeating
