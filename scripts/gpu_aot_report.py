@@ -45,6 +45,7 @@ def main() -> int:
     rows, t_all = [], time.perf_counter()
     for target in args.targets.split(","):
         limit = int(aot.CLIENT_MEMORY_FRACTION * aot.device_memory(target))
+        peak = aot.PEAKS[aot.TARGET_KIND[target]]
         for model in aot.MODELS:
             for weights in aot.WEIGHTS:
                 runner = aot.step_runner(target, model, weights)
@@ -58,9 +59,8 @@ def main() -> int:
                                pages=runner.num_pages, args_gib=mem.argument_size_in_bytes / 2**30,
                                temp_mib=mem.temp_size_in_bytes / 2**20, total_gib=total / 2**30,
                                limit_gib=limit / 2**30, fits=total <= limit,
-                               **aot.roofline(runner, key, aot.PEAKS[aot.TARGET_KIND[target]]),
-                               short_ms=aot.roofline(runner, key, aot.PEAKS[aot.TARGET_KIND[target]],
-                                                     SHORT)["model_ms"],
+                               **aot.roofline(runner, key, peak),
+                               short_ms=aot.roofline(runner, key, peak, SHORT)["model_ms"],
                                compile_s=time.perf_counter() - t0)
                     rows.append(row)
                     fits = "fits" if row["fits"] else "OVER"

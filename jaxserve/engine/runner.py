@@ -209,9 +209,6 @@ class ModelRunner:
         self.page_size = cfg.page_size
         self.drop_slot = num_pages * cfg.page_size
         self.max_pages_per_seq = -(-cfg.max_model_len // cfg.page_size)
-        ctx_pages = sorted({-(-c // cfg.page_size) for c in cfg.context_buckets if c <= cfg.max_model_len})
-        if not ctx_pages or ctx_pages[-1] < self.max_pages_per_seq:
-            ctx_pages.append(self.max_pages_per_seq)
         if self.attention_impl == "pallas":
             # Context buckets pay where attention reads a bucket's whole width (XLA gathers and
             # attends over every slot of it). The Pallas kernels walk each sequence's block table
@@ -219,6 +216,10 @@ class ModelRunner:
             # every context, and the narrower ones would only be compiled (the default buckets on a
             # GPU: 13 steps instead of 37).
             ctx_pages = [self.max_pages_per_seq]
+        else:
+            ctx_pages = sorted({-(-c // cfg.page_size) for c in cfg.context_buckets if c <= cfg.max_model_len})
+            if not ctx_pages or ctx_pages[-1] < self.max_pages_per_seq:
+                ctx_pages.append(self.max_pages_per_seq)
         self.context_page_buckets = tuple(ctx_pages)
         self.decode_batches = tuple(b for b in cfg.decode_batch_buckets if b < cfg.max_num_seqs) + (cfg.max_num_seqs,)
         self.prefill_batches = tuple(b for b in cfg.prefill_batch_buckets if b <= cfg.max_num_seqs)
