@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,10 @@ class SpeculativeConfig:
         return self.method is not None
 
 
+def default_compilation_cache_dir() -> str:
+    return os.environ.get("JAXSERVE_COMPILATION_CACHE_DIR") or "~/.cache/jaxserve/xla"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How the engine lays out the KV cache and which step shapes it compiles.
@@ -275,7 +280,9 @@ class EngineConfig:
     # The KV budget (kv_cache_memory_gib or _fraction) is per device.
     tensor_parallel_size: int = 1
     interpret: bool = False  # run Pallas kernels in interpret mode (tests on CPU)
-    compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
+    # XLA's persistent compilation cache; None: off. Default: $JAXSERVE_COMPILATION_CACHE_DIR, else
+    # ~/.cache/jaxserve/xla (the test suite points the variable at one fresh folder per run).
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     seed: int = 0
 
     def __post_init__(self):

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# One XLA compilation cache for this run, shared by every engine the tests start (in this process,
+# in server processes and in Ray replicas, which inherit the variable: EngineConfig's default):
+# a step compiled once is loaded by the next engine of the same shapes, and nothing is read from
+# or written to ~/.cache, so a run takes as long on a fresh machine as here. Removed at the end.
+_OWN_XLA_CACHE = "JAXSERVE_COMPILATION_CACHE_DIR" not in os.environ  # else a sub-session's (background.py)
+if _OWN_XLA_CACHE:
+    os.environ["JAXSERVE_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxserve-xla-")
+XLA_CACHE = os.environ["JAXSERVE_COMPILATION_CACHE_DIR"]
 
 # tests/multidevice needs several (forced host) devices, set before jax starts: it runs in a
 # pytest session of its own (tests/test_tensor_parallel.py), so this one keeps one device.
@@ -35,6 +46,14 @@ def pytest_unconfigure(config):
     from background import stop_all
 
     stop_all()
+    if _OWN_XLA_CACHE:
+        shutil.rmtree(XLA_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def xla_cache():
+    """The run's compilation cache folder, for server configs that name it."""
+    return XLA_CACHE
 
 
 @pytest.fixture(scope="session")

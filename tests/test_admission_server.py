@@ -41,9 +41,9 @@ PROMPTS = ["What is the capital of France?", "Name a color.", "Say hello.", "Cou
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
+def server(default_model_dir, tmp_path_factory, xla_cache):
     work = tmp_path_factory.mktemp("admission")
-    srv = ServerProcess(default_model_dir, work, CONFIG.format(cache=tmp_path_factory.mktemp("xla")))
+    srv = ServerProcess(default_model_dir, work, CONFIG.format(cache=xla_cache))
     yield srv
     srv.stop()
 

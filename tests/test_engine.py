@@ -21,7 +21,7 @@ WORDS = ("river mountain quiet lantern copper orchard signal harbor meadow puzzl
          "garden thunder pencil marble ocean violet candle window ladder forest").split()
 
 SMALL = dict(max_num_seqs=32, decode_batch_buckets=(1, 8, 32), context_buckets=(256,), max_model_len=256,
-             prefill_length_buckets=(32, 128), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
+             prefill_length_buckets=(32, 128), prefill_batch_buckets=(1, 4))
 
 
 def chat_prompts(tok, n, seed=0):
@@ -178,7 +178,7 @@ def test_small_page_pool_completes_everything(tiny_model_dir, mode):
     from server_proc import parse_samples
 
     opts = dict(max_num_seqs=8, decode_batch_buckets=(1, 8), context_buckets=(128,), max_model_len=128,
-                prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
+                prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4))
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(10, 40))] for _ in range(8)]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
@@ -249,7 +249,7 @@ def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["prompt"] for r in rows] == ["The sky is", "One, two,", "Hello"]
     # every row equals its prompt through LLM.generate with the line's options (per-line max_tokens, stop)
-    llm = LLM(tiny_model_dir, max_num_seqs=4, compilation_cache_dir=None)
+    llm = LLM(tiny_model_dir, max_num_seqs=4)
     want = llm.generate(["The sky is", "One, two,", "Hello"],
                         [SamplingParams(max_tokens=5, temperature=0), SamplingParams(max_tokens=3, temperature=0),
                          SamplingParams(max_tokens=5, temperature=0, stop=("zz",))])
@@ -269,7 +269,7 @@ def test_prefill_token_budget_chunks_long_prompts_between_decode_steps(tiny_mode
     chunks of <= 32 tokens, each followed by a decode step of the running stream, and both
     greedy outputs equal the ones without a budget (where the prompt goes in one step)."""
     opts = dict(max_num_seqs=4, decode_batch_buckets=(1, 4), context_buckets=(256,), max_model_len=256,
-                prefill_length_buckets=(32, 128), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
+                prefill_length_buckets=(32, 128), prefill_batch_buckets=(1, 4))
     rng = random.Random(9)
     short = [rng.randrange(3, 49152) for _ in range(8)]
     long = [rng.randrange(3, 49152) for _ in range(100)]
@@ -307,7 +307,7 @@ def test_a_prompt_longer_than_the_smallest_context_bucket_is_prefilled_in_chunks
     uses the bucket its context needs, and with a repetition penalty (which reads the token
     history) the greedy output equals the one of an engine with a single 256 bucket."""
     opts = dict(max_num_seqs=2, decode_batch_buckets=(1, 2), max_model_len=256, prefill_length_buckets=(16, 32),
-                prefill_batch_buckets=(1,), compilation_cache_dir=None)
+                prefill_batch_buckets=(1,))
     prompt = [random.Random(4).randrange(3, 49152) for _ in range(100)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.3)
     outs = []
@@ -325,7 +325,7 @@ def test_interactive_request_preempts_a_batch_one_when_slots_are_full(tiny_model
     the output of the same request run alone (the preempted one recomputed, or swapped out
     to host memory and back)."""
     opts = dict(max_num_seqs=2, decode_batch_buckets=(1, 2), context_buckets=(128,), max_model_len=128,
-                prefill_length_buckets=(32,), prefill_batch_buckets=(1,), compilation_cache_dir=None,
+                prefill_length_buckets=(32,), prefill_batch_buckets=(1,),
                 preemption_mode=mode, swap_space_gib=0.01)
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 49152) for _ in range(12)] for _ in range(3)]
@@ -355,7 +355,7 @@ def test_deadlines_end_requests_wherever_they_are(tiny_model_dir):
     import time
 
     opts = dict(max_num_seqs=4, decode_batch_buckets=(1, 4), context_buckets=(128,), max_model_len=128,
-                prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
+                prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4))
     eng = Engine(tiny_model_dir, EngineConfig(**opts))
     rng = random.Random(13)
     prompts = [[rng.randrange(3, 49152) for _ in range(10)] for _ in range(3)]

@@ -24,7 +24,7 @@ PROMPTS = [[5, 17, 300, 42, 7], list(range(100, 123)), [9] * 40]
 
 def small(impl: str) -> dict:
     return dict(max_num_seqs=4, max_model_len=64, decode_batch_buckets=(4,), context_buckets=(32, 64),
-                prefill_batch_buckets=(1,), prefill_length_buckets=(32,), num_pages=32, compilation_cache_dir=None,
+                prefill_batch_buckets=(1,), prefill_length_buckets=(32,), num_pages=32,
                 attention_impl=impl, matmul_impl=impl, interpret=impl == "pallas")
 
 

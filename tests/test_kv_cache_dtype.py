@@ -21,7 +21,7 @@ def test_the_same_budget_holds_more_tokens_quantized(default_model_dir):
     tokens = {}
     for name, options in {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"kv_cache_dtype": "int8"},
                           "fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"}}.items():
-        eng = Engine(default_model_dir, EngineConfig(kv_cache_memory_gib=gib, compilation_cache_dir=None, **options),
+        eng = Engine(default_model_dir, EngineConfig(kv_cache_memory_gib=gib, **options),
                      warmup=False)
         held = sum(a.nbytes for a in jax.tree.leaves(eng.runner.kv_cache))
         assert gib * 2**30 - eng.page_bytes < held <= gib * 2**30, name  # the accounting is what is allocated
@@ -69,7 +69,7 @@ def test_quantized_kv_agrees_with_the_float_cache(teacher_forced, kv_cache_dtype
 
 
 TINY = dict(max_num_seqs=8, decode_batch_buckets=(1, 8), context_buckets=(128,), max_model_len=128,
-            prefill_length_buckets=(64,), prefill_batch_buckets=(4,), compilation_cache_dir=None,
+            prefill_length_buckets=(64,), prefill_batch_buckets=(4,),
             kv_cache_dtype="int8")
 
 

@@ -14,7 +14,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.engine.sequence import SamplingParams
 
 OPTS = dict(max_num_seqs=8, decode_batch_buckets=(1, 2, 8), context_buckets=(64, 128), max_model_len=128,
-            prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
+            prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4))
 ON = dict(decode_steps=4, overlap=True)  # what configs/server.toml runs
 PLAIN = dict(decode_steps=1, overlap=False)
 

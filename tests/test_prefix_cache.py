@@ -201,7 +201,7 @@ test_prefix_cache_bookkeeping = PrefixMachine.TestCase
 # The engine: outputs with the cache on and off ---------------------------------------------
 
 SMALL = dict(max_num_seqs=32, decode_batch_buckets=(1, 8, 32), context_buckets=(256,), max_model_len=256,
-             prefill_length_buckets=(32, 128), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
+             prefill_length_buckets=(32, 128), prefill_batch_buckets=(1, 4))
 
 
 def shared_prefix_workload(seed=0):
@@ -338,7 +338,7 @@ def test_preempted_sequences_resume_on_their_cached_prefix(tiny_model_dir, mode)
     by swap); greedy outputs equal those of an ample pool without the cache, and resumed
     sequences find pages of their own still cached."""
     opts = dict(max_num_seqs=8, decode_batch_buckets=(1, 8), context_buckets=(128,), max_model_len=128,
-                prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
+                prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4))
     rng = random.Random(5)
     shared = [rng.randrange(3, 49152) for _ in range(48)]
     prompts = [shared + [rng.randrange(3, 49152) for _ in range(rng.randint(1, 20))] for _ in range(8)]

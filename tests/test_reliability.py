@@ -56,11 +56,6 @@ def config(cache, max_tokens=64, drain=30.0, watchdog=120.0) -> str:
 
 
 @pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("xla")
-
-
-@pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory, xla_cache):
     srv = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("reliable"), config(xla_cache),
                         env={"JAXSERVE_FAULTS": FAULTS})

@@ -126,7 +126,7 @@ def test_w8a8_engine_is_batch_invariant_and_drafting_for_itself_is_always_accept
     from jaxserve.engine.sequence import SamplingParams
 
     base = dict(max_num_seqs=16, decode_batch_buckets=(1, 16), context_buckets=(128,), max_model_len=128,
-                prefill_length_buckets=(64,), prefill_batch_buckets=(1, 4), compilation_cache_dir=None,
+                prefill_length_buckets=(64,), prefill_batch_buckets=(1, 4),
                 quantization="w8a8")
     plain = Engine(tiny_model_dir, EngineConfig(**base))
     spec = Engine(tiny_model_dir, EngineConfig(**base, speculative={

@@ -40,12 +40,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-    """One persistent compilation cache for this module's servers: the second starts warm."""
-    return tmp_path_factory.mktemp("xla")
-
-
-@pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory, xla_cache):
     work = tmp_path_factory.mktemp("server")
     profiler_port = free_port()

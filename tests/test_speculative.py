@@ -18,7 +18,7 @@ from jaxserve.engine.sequence import SamplingParams
 from jaxserve.engine.speculative import accepted_lengths, propose
 
 SMALL = dict(max_num_seqs=32, decode_batch_buckets=(1, 4, 8, 32), context_buckets=(256,), max_model_len=256,
-             prefill_length_buckets=(32, 128), prefill_batch_buckets=(1, 4), compilation_cache_dir=None)
+             prefill_length_buckets=(32, 128), prefill_batch_buckets=(1, 4))
 WORDS = "red green blue cyan amber slate ivory coral olive plum".split()
 
 
@@ -160,7 +160,7 @@ def test_a_request_can_opt_out_and_max_tokens_is_kept(engines):
 # Draft-model speculation ------------------------------------------------------------------
 
 TINY = dict(max_num_seqs=32, decode_batch_buckets=(1, 32), context_buckets=(128,), max_model_len=128,
-            prefill_length_buckets=(64,), prefill_batch_buckets=(4,), compilation_cache_dir=None)
+            prefill_length_buckets=(64,), prefill_batch_buckets=(4,))
 
 
 def draft_config(draft_dir, k: int = 4, **extra) -> EngineConfig:

@@ -43,7 +43,7 @@ def traced(tiny_model_dir, tmp_path_factory):
     cfg = ServerConfig(models=(ModelSpec(path=str(tiny_model_dir), name="tiny"),), admin_api_keys=("admin-key",),
                        profile_dir=str(tmp_path_factory.mktemp("profiles")))
     engine_cfg = EngineConfig(max_num_seqs=4, decode_batch_buckets=(1, 4), context_buckets=(128,), max_model_len=128,
-                              prefill_length_buckets=(32,), prefill_batch_buckets=(1,), compilation_cache_dir=None)
+                              prefill_length_buckets=(32,), prefill_batch_buckets=(1,))
     app = build_app(ModelRegistry(cfg.models, engine_cfg), cfg, tracer=provider.get_tracer("test"))
 
     logs = io.StringIO()  # the JSON log format, as `--log-format json` writes it
