@@ -44,6 +44,15 @@ def run_alone(engine, prompt, params):
     return seq.output_ids
 
 
+def test_the_compilation_cache_defaults_to_the_environment_variable(monkeypatch):
+    """The suite's one cache per run (tests/conftest.py) reaches every engine this way."""
+    monkeypatch.setenv("JAXSERVE_COMPILATION_CACHE_DIR", "/tmp/elsewhere")
+    assert EngineConfig().compilation_cache_dir == "/tmp/elsewhere"
+    assert EngineConfig(compilation_cache_dir=None).compilation_cache_dir is None  # a config still wins
+    monkeypatch.delenv("JAXSERVE_COMPILATION_CACHE_DIR")
+    assert EngineConfig().compilation_cache_dir == "~/.cache/jaxserve/xla"
+
+
 def test_greedy_matches_reference_path(engine):
     """Includes a prompt longer than the largest prefill bucket (128), so chunked prefill is exercised."""
     tok = engine.tokenizer
