@@ -163,7 +163,8 @@ def _filtered_distribution(logits: np.ndarray, temperature: float, top_k: int, t
 
     alive = np.arange(len(z)) < (top_k if top_k > 0 else len(z))
     probs = softmax(alive)
-    alive &= np.cumsum(probs) - probs < top_p
+    if top_p < 1:  # 1 is off (the mass before the last token may round to 1)
+        alive &= np.cumsum(probs) - probs < top_p
     probs = softmax(alive)
     alive &= probs >= min_p * probs[0]
     out = np.zeros(len(z))
@@ -193,3 +194,38 @@ def test_seeded_draws_follow_the_filtered_softmax(temperature, top_k, top_p, min
     assert kept.sum() >= 3  # the test has room to see a wrong shape
     result = chisquare(counts[kept], n * p[kept])
     assert result.pvalue > 1e-3, (result, counts, np.round(n * p))
+
+
+def test_the_sort_free_filters_keep_what_the_sorted_reference_keeps():
+    """The top-k / top-p / min-p cuts are radix selections over the logits' bits, not a sort
+    (sampler._filter_threshold): on 64 rows of 1,000 random logits with mixed settings, each
+    row keeps exactly the tokens the sorted float64 reference keeps. A wrong bit order (negative
+    logits), an off-by-one k or a top-p cut one token early or late fails here."""
+    from jaxserve.engine.sampler import _filtered
+
+    rng = np.random.default_rng(3)
+    B, V = 64, 1000
+    logits = (rng.normal(size=(B, V)) * rng.uniform(0.5, 4, (B, 1))).astype(np.float32)
+    temperature = rng.uniform(0.3, 2, B).astype(np.float32)
+    top_k = rng.choice([0, 1, 7, 50, 999, 1000, 1200], B)
+    top_p = rng.choice([1.0, 0.95, 0.6, 0.2, 1e-4], B).astype(np.float32)
+    min_p = rng.choice([0.0, 0.0, 0.02, 0.3], B).astype(np.float32)
+    s = arrays(B, V, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    kept = np.isfinite(np.asarray(_filtered(jnp.asarray(logits), s)))
+    for b in range(B):
+        expected = _filtered_distribution(logits[b], temperature[b], top_k[b], top_p[b], min_p[b]) > 0
+        assert (kept[b] == expected).all(), (b, top_k[b], top_p[b], min_p[b], kept[b].sum(), expected.sum())
+
+
+def test_top_k_in_rounds_of_16_equals_one_top_k():
+    """The logprobs' top 20 come from two top-k calls of at most 16 (sampler.top_k): the same
+    values and ids as jax.lax.top_k(x, 20), ties broken towards the lower id."""
+    import jax
+
+    from jaxserve.engine.sampler import top_k
+
+    x = np.round(np.random.default_rng(4).normal(size=(5, 300)) * 2).astype(np.float32)  # many ties
+    for k in (3, 16, 17, 20):
+        got, want = top_k(jnp.asarray(x), k), jax.lax.top_k(jnp.asarray(x), k)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
