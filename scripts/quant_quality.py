@@ -182,13 +182,12 @@ def main() -> int:
 
 
 def chat_sequences(tok, cfg, params, tokens: int) -> list[tuple[list[int], list[int]]]:
-    """Each prompt (chat template applied) and the float model's greedy continuation of it."""
-    seqs = []
-    for p in PROMPTS:
-        ids = tok.encode_chat([{"role": "user", "content": p}])
-        gen = ReferenceGenerator(cfg, params, max_len=len(ids) + tokens)
-        seqs.append((ids, list(gen.stream(ids, tokens, temperature=0.0, seed=0, stop_ids=()))))
-    return seqs
+    """Each prompt (chat template applied) and the float model's greedy continuation of it. One
+    generator for all of them: its cache length is a compiled shape, and a generator per prompt
+    compiled both its steps eight times (48 CPU seconds for the 8 x 64 tokens, 33 with one)."""
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    gen = ReferenceGenerator(cfg, params, max_len=max(map(len, prompts)) + tokens)
+    return [(ids, list(gen.stream(ids, tokens, temperature=0.0, seed=0, stop_ids=()))) for ids in prompts]
 
 
 def kv_rows(params, cfg, seqs, tokens: int) -> None:
