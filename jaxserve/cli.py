@@ -45,6 +45,30 @@ def _read_prompts(path: str) -> list[dict]:
     return prompts
 
 
+def _fitted_buckets(engine, over: dict) -> dict:
+    """The bucket lists that follow a new max_num_seqs or max_model_len in `over` (a flag over
+    `engine`, a preset or the defaults): the buckets below the new limit, then the limit itself,
+    so nothing compiles for batches or contexts the engine can never run."""
+    fit = {}
+    if "max_num_seqs" in over and "decode_batch_buckets" not in over:
+        fit["decode_batch_buckets"] = tuple(b for b in engine.decode_batch_buckets if b < over["max_num_seqs"]) + (
+            over["max_num_seqs"],)
+    if "max_model_len" in over and "context_buckets" not in over:
+        fit["context_buckets"] = tuple(c for c in engine.context_buckets if c < over["max_model_len"]) + (
+            over["max_model_len"],)
+    return fit
+
+
+def _generate_engine_options(args, **options) -> dict:
+    """LLM options of `jaxserve generate` (--prompts-file or --tensor-parallel-size)."""
+    from jaxserve.config import EngineConfig
+
+    options.update(kv_cache_dtype=args.kv_cache_dtype or "auto")
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    return {**options, **_fitted_buckets(EngineConfig(), options)}
+
+
 def _cmd_generate_batch(args) -> int:
     """Many prompts through the batch engine; completions as JSON lines, throughput on stderr."""
     import time
@@ -54,9 +78,9 @@ def _cmd_generate_batch(args) -> int:
 
     entries = _read_prompts(args.prompts_file)
     spec = _speculative_options(args)
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
-              speculative=spec, kv_cache_dtype=args.kv_cache_dtype or "auto",
-              tensor_parallel_size=args.tensor_parallel_size or 1)
+    llm = LLM(args.model, **_generate_engine_options(
+        args, max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching, speculative=spec,
+        tensor_parallel_size=args.tensor_parallel_size or 1))
     tok = llm.tokenizer
     prompts, params = [], []
     try:
@@ -96,8 +120,8 @@ def _cmd_generate_parallel(args) -> int:
     from jaxserve.engine.engine import LLM
     from jaxserve.engine.sequence import SamplingParams
 
-    llm = LLM(args.model, max_num_seqs=1, tensor_parallel_size=args.tensor_parallel_size,
-              kv_cache_dtype=args.kv_cache_dtype or "auto")
+    llm = LLM(args.model, **_generate_engine_options(args, max_num_seqs=1,
+                                                     tensor_parallel_size=args.tensor_parallel_size))
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                                    seed=args.seed))
@@ -169,13 +193,7 @@ def serve_configs(args):
         eng["speculative"] = dataclasses.replace(engine.speculative, **spec)
     if eng.get("quantization") == "none":  # over a preset that quantizes
         eng["quantization"] = None
-    if "max_num_seqs" in eng and "decode_batch_buckets" not in eng:
-        eng["decode_batch_buckets"] = tuple(b for b in engine.decode_batch_buckets if b < eng["max_num_seqs"]) + (
-            eng["max_num_seqs"],)
-    if "max_model_len" in eng:
-        eng["context_buckets"] = tuple(c for c in engine.context_buckets if c < eng["max_model_len"]) + (
-            eng["max_model_len"],)
-    engine = dataclasses.replace(engine, **eng)
+    engine = dataclasses.replace(engine, **eng, **_fitted_buckets(engine, eng))
     if not server.models:
         raise ConfigError("no model to serve: give --model DIR or [[server.models]] in --config")
     draft = engine.speculative.draft_model if engine.speculative.method == "draft" else None
@@ -310,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-file", help="one prompt per line: text, or JSON with prompt|messages and options; "
                                           "runs them all through the batch engine and reports throughput")
     g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-model-len", type=int,
+                   help="--prompts-file or --tensor-parallel-size: most tokens (prompt + output) of one request "
+                        "(default 2048); fewer context buckets to compile")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="--prompts-file: reuse the KV pages of shared prompt prefixes (default: on)")
     _kv_cache_dtype_argument(g)

@@ -252,13 +252,13 @@ def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
     f = tmp_path / "prompts.txt"
     f.write_text('The sky is\n{"prompt": "One, two,", "max_tokens": 3}\n\n{"prompt": "Hello", "stop": ["zz"]}\n')
     proc = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--model", str(tiny_model_dir),
-                           "--prompts-file", str(f), "--max-tokens", "5", "--max-num-seqs", "4"],
-                          capture_output=True, text=True, timeout=600)
+                           "--prompts-file", str(f), "--max-tokens", "5", "--max-num-seqs", "4",
+                           "--max-model-len", "128"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["prompt"] for r in rows] == ["The sky is", "One, two,", "Hello"]
     # every row equals its prompt through LLM.generate with the line's options (per-line max_tokens, stop)
-    llm = LLM(tiny_model_dir, max_num_seqs=4)
+    llm = LLM(tiny_model_dir, max_num_seqs=4, max_model_len=128, context_buckets=(128,))  # what the flags make
     want = llm.generate(["The sky is", "One, two,", "Hello"],
                         [SamplingParams(max_tokens=5, temperature=0), SamplingParams(max_tokens=3, temperature=0),
                          SamplingParams(max_tokens=5, temperature=0, stop=("zz",))])
@@ -266,6 +266,10 @@ def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
         [(w.text, len(w.token_ids), w.finish_reason) for w in want]
     assert [len(w.token_ids) for w in want] == [5, 3, 5]  # the tiny model runs to max_tokens: the caps show
     assert "generated tok/s" in proc.stderr
+    from jaxserve.cli import _generate_engine_options, build_parser
+
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompts-file", "f", "--max-model-len", "128"])
+    assert _generate_engine_options(args)["context_buckets"] == (128,)  # the flag reaches the engine, fitted
     bad = tmp_path / "bad.txt"
     bad.write_text('{"prompt": "x"\n')
     proc = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--model", str(tiny_model_dir),
