@@ -123,8 +123,9 @@ def _filter_threshold(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
     tokens at least as large as the smallest one whose strictly larger tokens hold less than
     top_p of the top-k distribution's mass; min-p those with probability at least min_p times
     the best's. Both cuts are radix selections over the logits' bits (_largest_key), not a sort
-    of the vocabulary: a sort of [B, V] costs a CPU step ten times as much (139 against 8 ms at
-    B = 8, V = 49152), and XLA compiles it for a GPU as its own sort kernel (2 s per step)."""
+    of the vocabulary: with a sort of [B, V] a filtered sampling call took 67 ms on our CPU at
+    B = 8, V = 49152 (6 ms without; BENCHMARKS.md), and XLA compiled it for a GPU as its own sort
+    kernel (about 2 s of every step's compilation)."""
     B, V = scaled.shape
     keys = _order_keys(scaled)
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)
