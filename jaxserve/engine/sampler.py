@@ -129,9 +129,12 @@ def _filter_threshold(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
     B, V = scaled.shape
     keys = _order_keys(scaled)
     k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)
-    k_cut = _largest_key(keys, jnp.ones((), jnp.int32), k)  # [B] keys
+    none = lambda *_: jnp.zeros((B,), jnp.uint32)  # noqa: E731  (key 0: every token passes)
+    # Each cut is 32 passes over [B, V]: skipped when no row of the batch asks for it.
+    k_cut = jax.lax.cond((s.top_k > 0).any(), _largest_key, none, keys, jnp.ones((), jnp.int32), k)  # [B]
     probs = jax.nn.softmax(jnp.where(keys >= k_cut[:, None], scaled, NEG_INF), axis=-1)
-    p_cut = jnp.where(s.top_p < 1, _largest_key(keys, probs, s.top_p), 0)  # top_p 1 is off, rounding aside
+    p_cut = jax.lax.cond((s.top_p < 1).any(), _largest_key, none, keys, probs, s.top_p)
+    p_cut = jnp.where(s.top_p < 1, p_cut, 0)  # top_p 1 is off, rounding aside
     best = scaled.max(axis=-1, keepdims=True)
     keep = (keys >= jnp.maximum(k_cut, p_cut)[:, None]) & (scaled >= best + jnp.log(s.min_p)[:, None])
     keep |= scaled >= best  # the best token always stays
