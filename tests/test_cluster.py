@@ -85,9 +85,14 @@ target_running = 3.0
 upscale_delay_s = 2
 downscale_delay_s = 8
 look_back_period_s = 2
-graceful_shutdown_timeout_s = 120
+# A drain waits for its streams however slow a loaded CI box makes them (with 120 s, a
+# replica was once stopped under a 150 s stream, which then ended in ActorDiedError).
+graceful_shutdown_timeout_s = 600
 imbalance_threshold = 0
 """
+
+# The scale-in test's streams: long enough to still run when the autoscaler removes a replica.
+LONG_STREAM_TOKENS = 240
 
 RANDOM_MODEL = """
 [[models]]
@@ -425,14 +430,17 @@ def test_load_scales_out_and_its_end_scales_in_without_cutting_a_stream(cluster)
         w.join()
 
     results: dict[int, list[dict]] = {}
+    ended: dict[int, float] = {}
+    t_streams = time.monotonic()
 
     def long_stream(i: int):
         body = {"model": "scaler", "messages": [{"role": "user", "content": f"Tell a long tale, number {i}."}],
-                "max_tokens": 440, "ignore_eos": True, "stream": True, "temperature": 0}
-        with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", json=body, timeout=300) as r:
+                "max_tokens": LONG_STREAM_TOKENS, "ignore_eos": True, "stream": True, "temperature": 0}
+        with httpx.stream("POST", f"{cluster.url}/v1/chat/completions", json=body, timeout=700) as r:
             results[i] = sse(list(r.iter_lines()))
+        ended[i] = time.monotonic() - t_streams
 
-    # 440 tokens each: longer than the 8 s the scale-in decision must hold. That decision may
+    # LONG_STREAM_TOKENS each: longer than the 8 s the scale-in decision must hold. That decision may
     # start as soon as the load drains; the delay is what lets the streams reach the replicas
     # before one is taken out of service (with 4 s, a replica sometimes left while the streams
     # were still being sent, all three ran on the one left, and no stream was ever drained).
@@ -451,15 +459,17 @@ def test_load_scales_out_and_its_end_scales_in_without_cutting_a_stream(cluster)
     # replica holding a stream was taken out of service (the case a drain must get right) when
     # more replicas hold streams than Serve counts RUNNING (one is draining), or when the count
     # drops right after a poll where every RUNNING replica had a stream.
-    counts, busy = [], []
+    counts, busy, at = [], [], []
     while starter.is_alive() or any(s.is_alive() for s in streams):
+        at.append(time.monotonic() - t_streams)
         counts.append(states().get("RUNNING", 0))
         busy.append(sum(1 for r in cluster.replicas("scaler").values() if r["running"]))
         time.sleep(0.5)
     drains = [i for i in range(len(counts)) if busy[i] > counts[i] or
               i + 1 < len(counts) and counts[i + 1] < counts[i] and busy[i] >= counts[i]]
     print(f"while 3 long streams ran: RUNNING replicas {counts}; replicas with a stream {busy}; "
-          f"scale-ins of a replica holding a stream at polls {drains}")
+          f"scale-ins of a replica holding a stream at polls {drains}; "
+          f"first at {at[drains[0]] if drains else None} s, streams ended at {sorted(ended.values())} s")
     for i, evs in results.items():
         text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in evs if ch.get("choices"))
         reasons = [ch["choices"][0].get("finish_reason") for ch in evs if ch.get("choices")]
