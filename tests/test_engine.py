@@ -259,6 +259,9 @@ def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
     assert [r["prompt"] for r in rows] == ["The sky is", "One, two,", "Hello"]
     # every row equals its prompt through LLM.generate with the line's options (per-line max_tokens, stop)
     llm = LLM(tiny_model_dir, max_num_seqs=4, max_model_len=128, context_buckets=(128,))  # what the flags make
+    # The default prefill lengths (32, 128, 512) stop at 128: a 512-token chunk cannot happen.
+    assert llm.engine.runner.prefill_lengths == (32, 128)
+    assert max(t for _, t, _ in llm.engine.runner.buckets()) == 128
     want = llm.generate(["The sky is", "One, two,", "Hello"],
                         [SamplingParams(max_tokens=5, temperature=0), SamplingParams(max_tokens=3, temperature=0),
                          SamplingParams(max_tokens=5, temperature=0, stop=("zz",))])

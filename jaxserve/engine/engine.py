@@ -134,7 +134,7 @@ class Engine:
         self.draft = None if draft is None else DraftRunner(
             *draft, self.config, num_pages, self.runner.verify_batches, self.mesh,
             kv_scales=fp8_kv_scales(Path(config.speculative.draft_model), draft[0], "the draft model") if fp8 else None)
-        max_chunk = self.config.prefill_length_buckets[-1]
+        max_chunk = self.runner.prefill_lengths[-1]
         budget = self.config.prefill_token_budget or max(self.runner.prefill_batches) * max_chunk
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=self.config.max_num_seqs,

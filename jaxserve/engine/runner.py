@@ -12,7 +12,8 @@ padded into the smallest bucket that holds them:
              k decode steps in a loop on the device, each feeding the token the last one
              sampled; block tables [B, P] over the smallest context bucket that holds the
              longest context the call reaches (attention reads P pages per row)
-    prefill  tokens [B, T]   B in prefill_batch_buckets, T in prefill_length_buckets,
+    prefill  tokens [B, T]   B in prefill_batch_buckets, T in prefill_length_buckets (those
+             up to the first that holds max_model_len),
              block tables [B, P] over the smallest context bucket that holds T
              tokens, or (for a later chunk of a long prompt) over max_model_len
 
@@ -223,7 +224,11 @@ class ModelRunner:
         self.context_page_buckets = tuple(ctx_pages)
         self.decode_batches = tuple(b for b in cfg.decode_batch_buckets if b < cfg.max_num_seqs) + (cfg.max_num_seqs,)
         self.prefill_batches = tuple(b for b in cfg.prefill_batch_buckets if b <= cfg.max_num_seqs)
-        self.prefill_lengths = cfg.prefill_length_buckets
+        # No chunk is longer than a prompt, nor a prompt than max_model_len: lengths past the first
+        # that holds max_model_len would compile steps that never run (with the default lengths
+        # and max_model_len 128, every [B, 512] prefill).
+        fits = [t for t in cfg.prefill_length_buckets if t >= cfg.max_model_len][:1]
+        self.prefill_lengths = tuple(t for t in cfg.prefill_length_buckets if t < cfg.max_model_len) + tuple(fits)
         # (k, v) [L, NP, PS, K, D], and for an int8 cache (k_scale, v_scale) [L, NP, PS, K]
         init = functools.partial(init_kv_cache, model_cfg.num_layers, num_pages, cfg.page_size,
                                  model_cfg.num_kv_heads, model_cfg.head_dim, cfg.dtype, cfg.kv_cache_dtype)
