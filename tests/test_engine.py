@@ -191,12 +191,12 @@ def test_small_page_pool_completes_everything(tiny_model_dir, mode):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(10, 40))] for _ in range(8)]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    ample = LLM(tiny_model_dir, **opts)
+    ample = LLM(tiny_model_dir, **opts, warmup=False)
     expected = ample.generate(prompts, params)
     assert ample.engine.scheduler.num_preemptions == 0
     # Swap space for 5 pages: a sequence holds up to 5, so swapping is rationed (the rest recompute).
     swap_gib = 5 * ample.engine.page_bytes / 2**30
-    eng = LLM(tiny_model_dir, num_pages=12, preemption_mode=mode, swap_space_gib=swap_gib, **opts).engine
+    eng = LLM(tiny_model_dir, num_pages=12, preemption_mode=mode, swap_space_gib=swap_gib, **opts, warmup=False).engine
     metrics = Metrics()
     metrics.state.sources["tiny"] = ServedModel(name="tiny", spec=ModelSpec(path=str(tiny_model_dir)), created=0,
                                                 engine=eng)
@@ -258,7 +258,8 @@ def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["prompt"] for r in rows] == ["The sky is", "One, two,", "Hello"]
     # every row equals its prompt through LLM.generate with the line's options (per-line max_tokens, stop)
-    llm = LLM(tiny_model_dir, max_num_seqs=4, max_model_len=128, context_buckets=(128,))  # what the flags make
+    # what the flags make (compiled as the calls need them)
+    llm = LLM(tiny_model_dir, max_num_seqs=4, max_model_len=128, context_buckets=(128,), warmup=False)
     # The default prefill lengths (32, 128, 512) stop at 128: a 512-token chunk cannot happen.
     assert llm.engine.runner.prefill_lengths == (32, 128)
     assert max(t for _, t, _ in llm.engine.runner.buckets()) == 128
@@ -292,7 +293,7 @@ def test_prefill_token_budget_chunks_long_prompts_between_decode_steps(tiny_mode
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
     def run(**extra):
-        eng = Engine(tiny_model_dir, EngineConfig(**opts, **extra))
+        eng = Engine(tiny_model_dir, EngineConfig(**opts, **extra), warmup=False)
         steps = []
         real_launch = eng.runner.launch
 
@@ -328,7 +329,7 @@ def test_a_prompt_longer_than_the_smallest_context_bucket_is_prefilled_in_chunks
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.3)
     outs = []
     for buckets in ((256,), (32, 256)):
-        eng = Engine(tiny_model_dir, EngineConfig(**opts, context_buckets=buckets))
+        eng = Engine(tiny_model_dir, EngineConfig(**opts, context_buckets=buckets), warmup=False)
         outs.append(run_alone(eng, prompt, params))
         assert eng.pool.num_used == 0
     assert outs[0] == outs[1] and len(outs[0]) == 12
@@ -346,9 +347,9 @@ def test_interactive_request_preempts_a_batch_one_when_slots_are_full(tiny_model
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 49152) for _ in range(12)] for _ in range(3)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    solo = LLM(tiny_model_dir, **opts)
+    solo = LLM(tiny_model_dir, **opts, warmup=False)
     alone = [solo.generate([p], params)[0].token_ids for p in prompts]
-    eng = Engine(tiny_model_dir, EngineConfig(**opts))
+    eng = Engine(tiny_model_dir, EngineConfig(**opts), warmup=False)
     batch = [eng.add_request(p, params, priority=10) for p in prompts[:2]]
     for _ in range(4):
         eng.step()
@@ -372,7 +373,7 @@ def test_deadlines_end_requests_wherever_they_are(tiny_model_dir):
 
     opts = dict(max_num_seqs=4, decode_batch_buckets=(1, 4), context_buckets=(128,), max_model_len=128,
                 prefill_length_buckets=(32,), prefill_batch_buckets=(1, 4))
-    eng = Engine(tiny_model_dir, EngineConfig(**opts))
+    eng = Engine(tiny_model_dir, EngineConfig(**opts), warmup=False)
     rng = random.Random(13)
     prompts = [[rng.randrange(3, 49152) for _ in range(10)] for _ in range(3)]
     late = eng.add_request(prompts[0], SamplingParams(max_tokens=8, temperature=0), timeout=1e-9)

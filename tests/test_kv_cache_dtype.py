@@ -98,7 +98,7 @@ def test_int8_kv_engine_is_batch_invariant_prefix_cached_and_swappable(tiny_mode
     assert eng.runner.num_compiled == compiled
     swap = Engine(tiny_model_dir, EngineConfig(**{**TINY, "num_pages": 14, "page_size": 16,
                                                   "preemption_mode": "swap", "swap_space_gib": 0.01,
-                                                  "enable_prefix_caching": False}))
+                                                  "enable_prefix_caching": False}), warmup=False)
     assert run(swap, prompts, params) == batched
     assert swap.scheduler.preemptions["swap"] > 0
 

@@ -35,7 +35,7 @@ def prompts(n, seed=0, lo=5, hi=40):
 
 def run(model_dir, ps, params, stagger=False, **cfg):
     """Outputs (ids, text, logprobs, finish) of each prompt; `stagger` adds one request per step."""
-    eng = Engine(model_dir, EngineConfig(**OPTS, **cfg))
+    eng = Engine(model_dir, EngineConfig(**OPTS, **cfg), warmup=False)
     seqs, logprobs = [], {}
     pending = list(zip(ps, params))
     while pending or eng.has_unfinished:
@@ -71,7 +71,7 @@ def test_chained_calls_really_run_and_stop_strings_hold(tiny_model_dir):
     assert stop.strip(), text
     with_stop = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=(stop,))
     want, _ = run(tiny_model_dir, [p], [with_stop], **PLAIN)
-    eng = Engine(tiny_model_dir, EngineConfig(**OPTS, **ON))
+    eng = Engine(tiny_model_dir, EngineConfig(**OPTS, **ON), warmup=False)
     launches = []
     real = eng.runner.launch
     eng.runner.launch = lambda items, decode, k=1, chain=None: launches.append((decode, k, chain is not None)) or \
@@ -98,7 +98,7 @@ def test_the_end_of_the_context_and_aborts_mid_call(tiny_model_dir):
     short = prompts(3, seed=8)
     long = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     want, _ = run(tiny_model_dir, short[2:], [long], **PLAIN)
-    eng = Engine(tiny_model_dir, EngineConfig(**OPTS, **ON))
+    eng = Engine(tiny_model_dir, EngineConfig(**OPTS, **ON), warmup=False)
     a, b, c = (eng.add_request(p, long) for p in short)
     while len(c.output_ids) < 6:
         eng.step()

@@ -67,7 +67,7 @@ def test_paged_prefill_and_decode_logprobs_match_transformers(tiny_model_dir, at
 
     llm = LLM(tiny_model_dir, max_num_seqs=4, decode_batch_buckets=(4,), context_buckets=(128,), max_model_len=128,
               prefill_length_buckets=(32,), prefill_batch_buckets=(4,), page_size=16, attention_impl=attention,
-              interpret=attention == "pallas")
+              interpret=attention == "pallas", warmup=False)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 49152, n).tolist() for n in (5, 16, 37, 70)]
     params = [SamplingParams(max_tokens=12, temperature=1.0, seed=i, ignore_eos=True, logprobs=20)

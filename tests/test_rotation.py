@@ -128,10 +128,10 @@ def test_w8a8_engine_is_batch_invariant_and_drafting_for_itself_is_always_accept
     base = dict(max_num_seqs=16, decode_batch_buckets=(1, 16), context_buckets=(128,), max_model_len=128,
                 prefill_length_buckets=(64,), prefill_batch_buckets=(1, 4),
                 quantization="w8a8")
-    plain = Engine(tiny_model_dir, EngineConfig(**base))
+    plain = Engine(tiny_model_dir, EngineConfig(**base), warmup=False)
     spec = Engine(tiny_model_dir, EngineConfig(**base, speculative={
         "method": "draft", "draft_model": str(tiny_model_dir), "num_speculative_tokens": 4,
-        "disable_above_batch_size": 16}))
+        "disable_above_batch_size": 16}), warmup=False)
     assert "signs" in plain.runner.params["layers"]["wq"]  # rotated W8A8 weights
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(3, 40))] for _ in range(12)]

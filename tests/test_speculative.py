@@ -221,7 +221,7 @@ def test_draft_model_under_preemption_by_swap_and_recompute_is_token_identical(t
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     expected = [s.output_ids for s in generate(plain, prompts, params)]
     spec = Engine(tiny_model_dir, draft_config(tiny_model_dir, num_pages=14, page_size=16, preemption_mode="auto",
-                                               swap_space_gib=0.01, swap_min_tokens=48))
+                                               swap_space_gib=0.01, swap_min_tokens=48), warmup=False)
     assert [s.output_ids for s in generate(spec, prompts, params)] == expected
     assert spec.scheduler.preemptions["swap"] > 0 and spec.scheduler.preemptions["recompute"] > 0
     assert spec.spec_counts[2] > 100
@@ -288,16 +288,16 @@ def test_speculative_sampling_draws_from_the_target_distribution(v8_models):
     draft's own law is far from it, so a verifier that kept drafts unjudged would fail."""
     target, draft = v8_models
     cfg = dict(TINY, max_model_len=32, context_buckets=(32,), prefill_length_buckets=(16,))
-    plain = Engine(target, EngineConfig(**cfg))
+    plain = Engine(target, EngineConfig(**cfg), warmup=False)
     exact = pair_distribution(plain)
-    exact_q = pair_distribution(Engine(draft, EngineConfig(**cfg)))
+    exact_q = pair_distribution(Engine(draft, EngineConfig(**cfg), warmup=False))
     assert 0.5 * np.abs(exact - exact_q).sum() > 0.2  # the proposers' own law is far from the target's
     spec = {"ngram": Engine(target, EngineConfig(**cfg, speculative={
                 "method": "ngram", "num_speculative_tokens": 2, "ngram_min": 1, "ngram_max": 2,
-                "disable_above_batch_size": 32})),
+                "disable_above_batch_size": 32}), warmup=False),
             "draft": Engine(target, EngineConfig(**cfg, speculative={
                 "method": "draft", "draft_model": str(draft), "num_speculative_tokens": 2,
-                "disable_above_batch_size": 32}))}
+                "disable_above_batch_size": 32}), warmup=False)}
     small, large = 500, 4000
     base = {n: sampled_pairs(plain, n) for n in (small, large)}
     for name, eng in spec.items():

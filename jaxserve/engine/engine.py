@@ -518,10 +518,13 @@ class Completion:
 
 
 class LLM:
-    """Offline batch generation: `LLM(model_dir, **engine_options).generate(prompts, sampling_params)`."""
+    """Offline batch generation: `LLM(model_dir, **engine_options).generate(prompts, sampling_params)`.
 
-    def __init__(self, model_dir: str | Path, **engine_options):
-        self.engine = Engine(model_dir, EngineConfig(**engine_options))
+    `warmup=False` compiles each step bucket when a call first needs it instead of all at start
+    (a short batch may use a few of them; nothing waits on a latency target offline)."""
+
+    def __init__(self, model_dir: str | Path, *, warmup: bool = True, **engine_options):
+        self.engine = Engine(model_dir, EngineConfig(**engine_options), warmup=warmup)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | Iterable[str | list[int]],
