@@ -20,6 +20,7 @@ from jaxserve.engine.speculative import accepted_lengths, propose
 SMALL = dict(max_num_seqs=32, decode_batch_buckets=(1, 4, 8, 32), context_buckets=(256,), max_model_len=256,
              prefill_length_buckets=(32, 128), prefill_batch_buckets=(1, 4))
 WORDS = "red green blue cyan amber slate ivory coral olive plum".split()
+ALONE = 12  # of the 32 batched prompts, how many also run alone (one at a time is the slow part)
 
 
 def test_propose_takes_what_followed_the_latest_longest_match():
@@ -98,7 +99,7 @@ def generate(engine: Engine, prompts, params) -> list:
     return seqs
 
 
-def test_greedy_is_token_identical_for_32_prompts_alone_and_batched(engines):
+def test_greedy_is_token_identical_for_32_prompts_batched_and_12_alone(engines):
     plain, spec = engines
     prompts = repetitive_prompts(plain.tokenizer, 32)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -106,9 +107,9 @@ def test_greedy_is_token_identical_for_32_prompts_alone_and_batched(engines):
     before = spec.spec_counts
     expected = [s.output_ids for s in generate(plain, prompts, params)]
     batched = [s.output_ids for s in generate(spec, prompts, params)]
-    alone = [generate(spec, [p], params)[0].output_ids for p in prompts]
+    alone = [generate(spec, [p], params)[0].output_ids for p in prompts[:ALONE]]
     assert batched == expected
-    assert alone == expected
+    assert alone == expected[:ALONE]
     drafts, draft_tokens, accepted = (a - b for a, b in zip(spec.spec_counts, before))
     assert drafts > 100 and accepted > draft_tokens / 4  # it did speculate, and it paid
     assert spec.runner.num_compiled == compiled  # every verify shape was compiled at warm-up
@@ -185,7 +186,7 @@ def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(rng.randint(3, 40))] for _ in range(n)]
 
 
-def test_draft_model_greedy_is_token_identical_for_32_prompts_alone_and_batched(tiny_engines):
+def test_draft_model_greedy_is_token_identical_for_32_prompts_batched_and_12_alone(tiny_engines):
     plain, *specs = tiny_engines
     prompts = random_prompts(32)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -194,8 +195,8 @@ def test_draft_model_greedy_is_token_identical_for_32_prompts_alone_and_batched(
         compiled = (spec.runner.num_compiled, spec.draft.num_compiled)
         before = spec.spec_counts
         batched = [s.output_ids for s in generate(spec, prompts, params)]
-        alone = [generate(spec, [p], params)[0].output_ids for p in prompts]
-        assert batched == expected and alone == expected
+        alone = [generate(spec, [p], params)[0].output_ids for p in prompts[:ALONE]]
+        assert batched == expected and alone == expected[:ALONE]
         rows, drafted, accepted = (a - b for a, b in zip(spec.spec_counts, before))
         assert rows > 200
         assert accepted == drafted if same else accepted < drafted / 10
