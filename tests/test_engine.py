@@ -124,7 +124,7 @@ def test_no_compilation_after_warmup(engine):
         engine.run_until_done()
         assert one.finish_reason in ("stop", "length")
     finally:
-        jax.monitoring.clear_event_listeners()
+        jax.monitoring.unregister_event_duration_listener(listener)  # its own: others may listen too
     assert events == []
     assert engine.pool.num_used == 0
 
