@@ -44,11 +44,13 @@ def pytest_collection_finish(session):
 
 
 # An Engine holds its KV cache (1 GiB unless a test sizes it) and sits in reference cycles, which
-# only Python's full collection frees. That runs after enough allocations, not enough bytes: with
-# engines that compile lazily (little Python allocation each) a run of engine tests piled up
-# 22 GiB of dead caches in this process and the OOM killer ended the suite. So after a test,
-# past a few GiB resident, collect.
-COLLECT_ABOVE_BYTES = 4 * 2**30
+# only Python's full collection frees, and that runs after enough allocations, not enough bytes:
+# a clean-clone run's process reached 22 GiB and was OOM-killed (engine tests alone peaked at
+# 19.1 GiB, 6.3 with collections). A full collection costs about a second in this process, so it
+# runs only when the resident size has grown 2 GiB above its lowest since the last one (after
+# every test it cost the suite ~290 s).
+COLLECT_GROWTH_BYTES = 2 * 2**30
+_floor = [float("inf")]  # the lowest resident size since the last collection
 
 
 def _resident_bytes() -> int:
@@ -62,8 +64,11 @@ def _resident_bytes() -> int:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield  # the test's fixtures are torn down first
-    if _resident_bytes() > COLLECT_ABOVE_BYTES:
+    resident = _resident_bytes()
+    _floor[0] = min(_floor[0], resident)
+    if resident > _floor[0] + COLLECT_GROWTH_BYTES:
         gc.collect()
+        _floor[0] = _resident_bytes()
 
 
 def pytest_unconfigure(config):
