@@ -29,6 +29,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from jaxserve.config import EngineConfig
 from server_proc import free_port
 
 CONFIG = """
@@ -273,7 +275,7 @@ def test_an_edited_config_updates_in_place_leaving_unchanged_models_alone(cluste
 
 
 SYSTEM = "You answer in one short paragraph."
-PAGE_SIZE = 16  # the engine's default page_size: the prefix cache's unit
+PAGE_SIZE = EngineConfig().page_size  # the cluster config leaves it: the prefix cache's unit
 TOPICS = ["rivers", "bread", "owls", "trains", "tea", "comets", "bees", "maps"]
 
 
