@@ -3,9 +3,9 @@
 
     .venv/bin/python scripts/bench_sampler.py [--vocab 49152] [--batches 8,64] [--repeats 20]
 
-Per batch size, three kinds of rows over random logits: greedy (the one-argmax branch),
-seeded sampling at temperature 0.8 with no filter, and the same with top-k 40, top-p 0.9 and
-min-p 0.05 (the filters). Prints the median milliseconds per call. Only the sampler's public
+Per batch size, five kinds of rows over random logits: greedy (the one-argmax branch),
+seeded sampling at temperature 0.8 with no filter, the same with top-k 40, top-p 0.9 and
+min-p 0.05 (the filters), with top-p 0.9 alone, and with top-k 200 alone. Prints the median milliseconds per call. Only the sampler's public
 `sample` and `SamplingArrays` are used, so the same script times an older commit's sampler
 (BENCHMARKS.md: "Sampling without a sort").
 """
@@ -28,7 +28,9 @@ from jaxserve.engine.sampler import SamplingArrays, sample  # noqa: E402
 
 KINDS = {"greedy": dict(temperature=0.0),
          "sampled": dict(temperature=0.8),
-         "sampled + top-k/p, min-p": dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05)}
+         "sampled + top-k/p, min-p": dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05),
+         "sampled + top-p 0.9": dict(temperature=0.8, top_p=0.9),
+         "sampled + top-k 200": dict(temperature=0.8, top_k=200)}
 
 
 def arrays(B: int, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> SamplingArrays:

@@ -197,24 +197,41 @@ def test_seeded_draws_follow_the_filtered_softmax(temperature, top_k, top_p, min
 
 
 def test_the_sort_free_filters_keep_what_the_sorted_reference_keeps():
-    """The top-k / top-p / min-p cuts are radix selections over the logits' bits, not a sort
-    (sampler._filter_threshold): on 64 rows of 1,000 random logits with mixed settings, each
-    row keeps exactly the tokens the sorted float64 reference keeps. A wrong bit order (negative
-    logits), an off-by-one k or a top-p cut one token early or late fails here."""
-    from jaxserve.engine.sampler import _filtered
+    """The top-k / top-p / min-p cuts come from each row's 64 largest logits, or, when a row
+    needs more, from radix selections over the logits' bits (sampler._filter_threshold): never
+    a sort. On 64 rows of 1,000 random logits with mixed settings, each row keeps exactly the
+    tokens the sorted float64 reference keeps, by either route alone and by the two together.
+    A wrong bit order (negative logits), an off-by-one k, a top-p cut one token early or late,
+    or a row called decided by the candidates when it is not fails here."""
+    import jax
+
+    from jaxserve.engine.sampler import _cuts_by_radix, _cuts_from_candidates, _filtered, _threshold
 
     rng = np.random.default_rng(3)
     B, V = 64, 1000
     logits = (rng.normal(size=(B, V)) * rng.uniform(0.5, 4, (B, 1))).astype(np.float32)
     temperature = rng.uniform(0.3, 2, B).astype(np.float32)
-    top_k = rng.choice([0, 1, 7, 50, 999, 1000, 1200], B)
+    top_k = rng.choice([0, 1, 7, 50, 64, 65, 999, 1000, 1200], B)
     top_p = rng.choice([1.0, 0.95, 0.6, 0.2, 1e-4], B).astype(np.float32)
     min_p = rng.choice([0.0, 0.0, 0.02, 0.3], B).astype(np.float32)
     s = arrays(B, V, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    kept = np.isfinite(np.asarray(_filtered(jnp.asarray(logits), s)))
+    expected = np.stack([_filtered_distribution(logits[b], temperature[b], top_k[b], top_p[b], min_p[b]) > 0
+                         for b in range(B)])
+    scaled = jnp.asarray(logits / temperature[:, None])
+
+    def kept(k_cut, p_cut):
+        return np.asarray(scaled >= _threshold(scaled, k_cut, p_cut, jnp.asarray(min_p))[:, None])
+
+    radix = kept(*jax.jit(_cuts_by_radix)(scaled, s))
+    *cuts, decided = jax.jit(_cuts_from_candidates)(scaled, s)
+    candidates, decided = kept(*cuts), np.asarray(decided)
+    both = np.isfinite(np.asarray(_filtered(jnp.asarray(logits), s)))
+    assert 16 <= decided.sum() < B  # both routes are exercised
     for b in range(B):
-        expected = _filtered_distribution(logits[b], temperature[b], top_k[b], top_p[b], min_p[b]) > 0
-        assert (kept[b] == expected).all(), (b, top_k[b], top_p[b], min_p[b], kept[b].sum(), expected.sum())
+        row = (b, top_k[b], top_p[b], min_p[b], expected[b].sum())
+        assert (radix[b] == expected[b]).all(), ("radix", *row, radix[b].sum())
+        assert not decided[b] or (candidates[b] == expected[b]).all(), ("candidates", *row, candidates[b].sum())
+        assert (both[b] == expected[b]).all(), ("together", *row, both[b].sum())
 
 
 def test_top_k_in_rounds_of_16_equals_one_top_k():
@@ -229,3 +246,35 @@ def test_top_k_in_rounds_of_16_equals_one_top_k():
         got, want = top_k(jnp.asarray(x), k), jax.lax.top_k(jnp.asarray(x), k)
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_a_large_batch_samples_each_row_as_it_would_alone():
+    """On a CPU a batch of more than 32 rows is sampled 16 rows at a time (sampler.in_row_chunks):
+    with every option mixed over 64 rows, each row's token, top logprob ids and Gumbel noise (on
+    the token stream and a draft's) are bit for bit what the row gets alone, its logprobs within
+    rounding (rows that asked for them). A chunking that mixed
+    up rows or chunks, or a stage that looked across rows, fails here."""
+    from jaxserve.engine.sampler import ROW_CHUNK, gumbel_noise
+
+    rng = np.random.default_rng(5)
+    B, V = 4 * ROW_CHUNK, 300
+    logits = (rng.normal(size=(B, V)) * 3).astype(np.float32)
+    over = dict(temperature=rng.choice([0.0, 0.7, 1.3], B), top_k=rng.choice([0, 5, 100], B),
+                top_p=rng.choice([1.0, 0.9], B), min_p=rng.choice([0.0, 0.1], B),
+                repetition_penalty=rng.choice([1.0, 1.2], B), seeds=np.arange(B) * 7919, counters=np.arange(B) % 5,
+                history=rng.integers(-1, V, (B, 4)), prompt_lens=np.full(B, 2), logprobs=np.arange(B) % 2 == 0)
+    s = arrays(B, V, **over)
+    batch = sample(jnp.asarray(logits), s)
+    noise = [np.asarray(gumbel_noise(s, V, stream)) for stream in (0, 1)]
+    for b in (0, ROW_CHUNK - 1, ROW_CHUNK, 2 * ROW_CHUNK + 3, B - 1):
+        one = arrays(1, V, **{k: np.asarray(v)[b:b + 1] for k, v in over.items()})
+        alone = sample(jnp.asarray(logits[b:b + 1]), one)
+        assert int(batch.tokens[b]) == int(alone.tokens[0]), b
+        if not over["logprobs"][b]:  # its logprob fields are whatever its chunk computed (zeros alone)
+            continue
+        assert np.array_equal(np.asarray(batch.top_ids)[b], np.asarray(alone.top_ids)[0]), b
+        for field in ("logprobs", "top_logprobs"):  # a log-softmax over [1, V] and [16, V] may round apart
+            np.testing.assert_allclose(np.asarray(getattr(batch, field))[b], np.asarray(getattr(alone, field))[0],
+                                       rtol=0, atol=1e-6, err_msg=f"{b} {field}")
+        for stream in (0, 1):
+            assert np.array_equal(noise[stream][b], np.asarray(gumbel_noise(one, V, stream))[0]), (stream, b)

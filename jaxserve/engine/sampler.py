@@ -20,6 +20,8 @@ from flax import struct
 
 NUM_TOP_LOGPROBS = 20
 TOP_K_ROUND = 16  # the largest k XLA's GPU top-k kernel takes (see top_k)
+ROW_CHUNK = 16  # a CPU samples a large batch this many rows at a time (in_row_chunks)
+CANDIDATES = 64  # the largest logits per row the filters read before falling back to the whole row
 NEG_INF = -jnp.inf
 
 
@@ -116,29 +118,91 @@ def _largest_key(keys: jax.Array, weights: jax.Array, at_least: jax.Array) -> ja
     return jax.lax.fori_loop(0, 32, bit, jnp.zeros(keys.shape[:1], jnp.uint32))
 
 
+def _key_value(t: jax.Array) -> jax.Array:
+    """The float32 whose _order_keys key is t, [B] uint32 -> [B] f32; key 0 (every token passes) -> -inf."""
+    u = jnp.where(t >> 31 == 1, t & jnp.uint32(0x7FFFFFFF), ~t)
+    return jnp.where(t == 0, NEG_INF, jax.lax.bitcast_convert_type(u, jnp.float32))
+
+
+def _cuts_by_radix(scaled: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+    """(top-k cut, top-p cut) [B] f32 of every row by radix selection over the logits' bits
+    (_largest_key), whatever its k and p: each cut is 32 passes over [B, V], skipped when no
+    row of the batch asks for it. The fallback of _filter_threshold."""
+    B, V = scaled.shape
+    keys = _order_keys(scaled)
+    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)
+    none = lambda *_: jnp.zeros((B,), jnp.uint32)  # noqa: E731  (key 0: every token passes)
+    k_cut = jax.lax.cond((s.top_k > 0).any(), _largest_key, none, keys, jnp.ones((), jnp.int32), k)  # [B]
+
+    def p_cut(keys, k_cut, top_p):
+        probs = jax.nn.softmax(jnp.where(keys >= k_cut[:, None], scaled, NEG_INF), axis=-1)
+        return _largest_key(keys, probs, top_p)
+
+    p_cut = jax.lax.cond((s.top_p < 1).any(), p_cut, none, keys, k_cut, s.top_p)
+    p_cut = jnp.where(s.top_p < 1, p_cut, 0)  # top_p 1 is off, rounding aside
+    return _key_value(k_cut), _key_value(p_cut)
+
+
+def _cuts_from_candidates(scaled: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(top-k cut, top-p cut, decided) [B] from each row's CANDIDATES largest logits only.
+
+    The k-th largest logit is read off the sorted candidates when k <= CANDIDATES. The top-p cut
+    is the first candidate at which the running mass of the top-k distribution (its normaliser:
+    one exp-sum over [B, V]) reaches top_p; ties after it stay, as in the radix cut. A row is
+    decided when both cuts were found among the candidates: always with top-k <= CANDIDATES
+    (its whole distribution is there), and with top-p alone when the model is confident enough."""
+    B, V = scaled.shape
+    n = min(CANDIDATES, V)
+    vals = jax.lax.top_k(scaled, n)[0]  # [B, n], descending
+    k_off = (s.top_k <= 0) | (s.top_k >= V)
+    k_cut = jnp.where(k_off, NEG_INF, jnp.take_along_axis(vals, jnp.clip(s.top_k - 1, 0, n - 1)[:, None], axis=-1)[:, 0])
+    k_decided = k_off | (s.top_k <= n)
+
+    def p_cut(scaled, vals, k_cut, top_p):
+        best = vals[:, :1]
+        total = jnp.sum(jnp.where(scaled >= k_cut[:, None], jnp.exp(scaled - best), 0), axis=-1, keepdims=True)
+        mass = jnp.cumsum(jnp.where(vals >= k_cut[:, None], jnp.exp(vals - best), 0), axis=-1) / total  # [B, n]
+        reached = mass >= top_p[:, None]
+        first = jnp.argmax(reached, axis=-1)  # the first True
+        cut = jnp.where(top_p < 1, jnp.take_along_axis(vals, first[:, None], axis=-1)[:, 0], NEG_INF)
+        return cut, reached.any(axis=-1) | (top_p >= 1)
+
+    p_cut, p_decided = jax.lax.cond((s.top_p < 1).any(), p_cut,
+                                    lambda *_: (jnp.full((B,), NEG_INF), jnp.ones((B,), jnp.bool_)),
+                                    scaled, vals, k_cut, s.top_p)
+    return k_cut, p_cut, k_decided & p_decided
+
+
 def _filter_threshold(scaled: jax.Array, s: SamplingArrays) -> jax.Array:
     """Smallest scaled logit each row keeps under top-k, then top-p, then min-p: [B].
 
     Top-k keeps every token at least as large as the k-th largest; top-p then keeps the
     tokens at least as large as the smallest one whose strictly larger tokens hold less than
     top_p of the top-k distribution's mass; min-p those with probability at least min_p times
-    the best's. Both cuts are radix selections over the logits' bits (_largest_key), not a sort
-    of the vocabulary: with a sort of [B, V] a filtered sampling call took 67 ms on our CPU at
-    B = 8, V = 49152 (6 ms without; BENCHMARKS.md), and XLA compiled it for a GPU as its own sort
-    kernel (about 2 s of every step's compilation)."""
-    B, V = scaled.shape
-    keys = _order_keys(scaled)
-    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, V), V)
-    none = lambda *_: jnp.zeros((B,), jnp.uint32)  # noqa: E731  (key 0: every token passes)
-    # Each cut is 32 passes over [B, V]: skipped when no row of the batch asks for it.
-    k_cut = jax.lax.cond((s.top_k > 0).any(), _largest_key, none, keys, jnp.ones((), jnp.int32), k)  # [B]
-    probs = jax.nn.softmax(jnp.where(keys >= k_cut[:, None], scaled, NEG_INF), axis=-1)
-    p_cut = jax.lax.cond((s.top_p < 1).any(), _largest_key, none, keys, probs, s.top_p)
-    p_cut = jnp.where(s.top_p < 1, p_cut, 0)  # top_p 1 is off, rounding aside
-    best = scaled.max(axis=-1, keepdims=True)
-    keep = (keys >= jnp.maximum(k_cut, p_cut)[:, None]) & (scaled >= best + jnp.log(s.min_p)[:, None])
-    keep |= scaled >= best  # the best token always stays
-    return jnp.min(jnp.where(keep & jnp.isfinite(scaled), scaled, jnp.inf), axis=-1)
+    the best's; the best token always stays. The cuts are read off each row's CANDIDATES largest
+    logits (_cuts_from_candidates) and fall back to radix selection over the whole vocabulary
+    (_cuts_by_radix) when a row of the batch needs more: both avoid sorting the vocabulary,
+    which took 67 ms per call on our CPU at B = 8, V = 49152 and compiled for a GPU as its
+    own sort kernel (about 2 s of every step's compilation). BENCHMARKS.md has the timings.
+
+    The candidates are a CPU path only (lax.platform_dependent picks by the platform a step is
+    compiled for, so an AOT compile for a GPU from a CPU host gets the GPU's): a GPU's top-k of
+    64 is four rounds of XLA's 16-wide kernel (see top_k), which added 8 % to the GPU AOT check's
+    compile time, and no GPU has timed the two against each other yet."""
+    def candidates_first(scaled, s):
+        k_cut, p_cut, decided = _cuts_from_candidates(scaled, s)
+        decided |= s.temperature <= 0  # a greedy row's cuts are not used
+        return jax.lax.cond(decided.all(), lambda *_: (k_cut, p_cut), _cuts_by_radix, scaled, s)
+
+    k_cut, p_cut = jax.lax.platform_dependent(scaled, s, cpu=candidates_first, default=_cuts_by_radix)
+    return _threshold(scaled, k_cut, p_cut, s.min_p)
+
+
+def _threshold(scaled: jax.Array, k_cut: jax.Array, p_cut: jax.Array, min_p: jax.Array) -> jax.Array:
+    """The smallest logit a row keeps [B]: at least both cuts and min_p times the best token's
+    probability (best + log min_p), but never above the best token, which always stays."""
+    best = scaled.max(axis=-1)
+    return jnp.minimum(jnp.maximum(jnp.maximum(k_cut, p_cut), best + jnp.log(min_p)), best)
 
 
 def _filtered(logits: jax.Array, s: SamplingArrays) -> jax.Array:
@@ -155,12 +219,32 @@ def _filtered(logits: jax.Array, s: SamplingArrays) -> jax.Array:
 def gumbel_noise(s: SamplingArrays, V: int, stream: int = 0) -> jax.Array:
     """[B, V] noise of row b from fold_in(key(seed_b), counter_b); streams other than 0 (a
     draft model's, speculative decoding's acceptance test) fold in the stream number too,
-    so they are independent of the noise that picks the row's token."""
+    so they are independent of the noise that picks the row's token. Made in row chunks on a
+    CPU (in_row_chunks: 20 against 9 ms at B = 64, V = 49152)."""
     def one(seed, n):
         key = jax.random.fold_in(jax.random.key(seed), n)
         return jax.random.gumbel(jax.random.fold_in(key, stream) if stream else key, (V,), jnp.float32)
 
-    return jax.vmap(one)(s.seeds, s.counters)
+    return in_row_chunks(jax.vmap(one), s.seeds, s.counters)
+
+
+def in_row_chunks(fn, *args):
+    """fn(*args) for a row-wise fn (row b of every output depends on row b of the arguments
+    alone; leading axis B everywhere). On a CPU, batches of more than 2 * ROW_CHUNK rows run it
+    ROW_CHUNK rows at a time (lax.map), the same bits row by row: XLA's CPU code for [B, V]
+    passes falls off a cliff once the working set outgrows the cache, so at V = 49152 a greedy
+    `sample` took 8.7 ms at B = 64 in one piece and 1.5 ms in chunks of 16, a seeded one 29
+    against 9.5 ms (BENCHMARKS.md). A GPU takes the batch whole: a loop there would serialise."""
+    B = jax.tree.leaves(args)[0].shape[0]
+    if B <= 2 * ROW_CHUNK or B % ROW_CHUNK:
+        return fn(*args)
+
+    def chunked(*args):
+        split = lambda x: x.reshape(B // ROW_CHUNK, ROW_CHUNK, *x.shape[1:])  # noqa: E731
+        out = jax.lax.map(lambda a: fn(*a), jax.tree.map(split, args))
+        return jax.tree.map(lambda x: x.reshape(B, *x.shape[2:]), out)
+
+    return jax.lax.platform_dependent(*args, cpu=chunked, default=fn)
 
 
 def uniform_noise(s: SamplingArrays, stream: int) -> jax.Array:
@@ -193,8 +277,13 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     penalties, the noise and filters, and the logprobs are each skipped (lax.cond) when
     no row asks for them: on a CPU the Gumbel noise alone costs a third of a greedy
     decode step of the default model at B=64. Skipping never changes a row's result,
-    because a row that does not ask for a stage is left exactly as it was by it.
+    because a row that does not ask for a stage is left exactly as it was by it; nor does a
+    CPU's sampling a large batch 16 rows at a time (in_row_chunks), as every stage is row-wise.
     """
+    return in_row_chunks(_sample, logits, s)
+
+
+def _sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     plain = ~(_penalised(s) | _biased(s) | (s.temperature > 0) | s.logprobs).any()
     return jax.lax.cond(plain, _plain_greedy, _full_sample, logits, s)
 
