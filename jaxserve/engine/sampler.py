@@ -232,9 +232,10 @@ def in_row_chunks(fn, *args):
     """fn(*args) for a row-wise fn (row b of every output depends on row b of the arguments
     alone; leading axis B everywhere). On a CPU, batches of more than 2 * ROW_CHUNK rows run it
     ROW_CHUNK rows at a time (lax.map), the same bits row by row: XLA's CPU code for [B, V]
-    passes falls off a cliff once the working set outgrows the cache, so at V = 49152 a greedy
-    `sample` took 8.7 ms at B = 64 in one piece and 1.5 ms in chunks of 16, a seeded one 29
-    against 9.5 ms (BENCHMARKS.md). A GPU takes the batch whole: a loop there would serialise."""
+    passes falls off a cliff once the working set outgrows the cache: at V = 49152 a greedy
+    `sample` took 1 ms at B = 32 and 11 ms at B = 64 in one piece, 3 ms at B = 64 in chunks of 16
+    (BENCHMARKS.md, "Sampling on a CPU"). A GPU takes the batch whole: a loop there would
+    serialise."""
     B = jax.tree.leaves(args)[0].shape[0]
     if B <= 2 * ROW_CHUNK or B % ROW_CHUNK:
         return fn(*args)
