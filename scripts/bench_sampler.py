@@ -5,9 +5,11 @@
 
 Per batch size, five kinds of rows over random logits: greedy (the one-argmax branch),
 seeded sampling at temperature 0.8 with no filter, the same with top-k 40, top-p 0.9 and
-min-p 0.05 (the filters), with top-p 0.9 alone, and with top-k 200 alone. Prints the median milliseconds per call. Only the sampler's public
-`sample` and `SamplingArrays` are used, so the same script times an older commit's sampler
-(BENCHMARKS.md: "Sampling without a sort").
+min-p 0.05 (the filters), with top-p 0.9 alone, and with top-k 200 alone (on these flat
+logits the last two need more than the sampler's 64 candidates). Prints the median
+milliseconds per call. Only the sampler's public `sample` and `SamplingArrays` are used, so
+the same script times an older commit's sampler (BENCHMARKS.md: "Sampling without a sort",
+"Sampling on a CPU").
 """
 
 from __future__ import annotations

@@ -155,7 +155,8 @@ def _cuts_from_candidates(scaled: jax.Array, s: SamplingArrays) -> tuple[jax.Arr
     n = min(CANDIDATES, V)
     vals = jax.lax.top_k(scaled, n)[0]  # [B, n], descending
     k_off = (s.top_k <= 0) | (s.top_k >= V)
-    k_cut = jnp.where(k_off, NEG_INF, jnp.take_along_axis(vals, jnp.clip(s.top_k - 1, 0, n - 1)[:, None], axis=-1)[:, 0])
+    kth = jnp.take_along_axis(vals, jnp.clip(s.top_k - 1, 0, n - 1)[:, None], axis=-1)[:, 0]
+    k_cut = jnp.where(k_off, NEG_INF, kth)  # for top_k > n a stand-in: the row is undecided
     k_decided = k_off | (s.top_k <= n)
 
     def p_cut(scaled, vals, k_cut, top_p):
