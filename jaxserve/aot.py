@@ -20,9 +20,12 @@ measured step times).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -91,6 +94,24 @@ def target(name: str) -> NamedSharding:
     return NamedSharding(Mesh(np.asarray(topo.devices), ("gpu",)), P())
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_cache_dir() -> str:
+    path = tempfile.mkdtemp(prefix="jaxserve-gpu-kernels-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def compiler_options(name: str) -> dict[str, str]:
+    """XLA options for compiling for target `name`: a kernel cache file of its own, for this process.
+
+    XLA skips a kernel's code generation and ptxas when the file holds a fusion with the same
+    fingerprint, so the buckets of one model and weights share the kernels whose shapes they share
+    (scripts/gpu_aot_check.py alone: 352 -> 221 busy core-s, BENCHMARKS.md). The fingerprint
+    leaves the target out: with one file for both, an fp8 attention kernel compiled for sm_90 was
+    then "compiled" for sm_80, where Triton rejects it (tests/test_gpu_aot.py), so one file per target."""
+    return {"xla_gpu_kernel_cache_file": os.path.join(_kernel_cache_dir(), f"{name}.bin")}
+
+
 def device_memory(name: str) -> int:
     for line in target_text(name).splitlines():
         if line.strip().startswith("device_memory_size:"):
@@ -139,7 +160,7 @@ class Case:
     def compile(self):
         """The compiled executable; a failure is re-raised as CompileError naming the case."""
         try:
-            return self.lower().compile()
+            return self.lower().compile(compiler_options=compiler_options(self.target))
         except Exception as e:  # noqa: BLE001: any compiler failure is the finding
             raise CompileError(f"{self.name} for {self.target}: {type(e).__name__}: {e}") from e
 

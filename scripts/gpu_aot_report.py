@@ -52,7 +52,8 @@ def main() -> int:
                 keys = runner.buckets()
                 for key in aot.extreme_buckets(keys) if args.steps == "extremes" else keys:
                     t0 = time.perf_counter()
-                    mem = runner._lower(key).compile().memory_analysis()
+                    compiled = runner._lower(key).compile(compiler_options=aot.compiler_options(target))
+                    mem = compiled.memory_analysis()
                     total = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes \
                         + mem.temp_size_in_bytes
                     row = dict(target=target, model=model, weights=weights, step=runner._label(key),

@@ -65,6 +65,24 @@ def test_an_oversized_kernel_block_fails_with_the_shared_memory_error():
     assert re.search(r"Shared memory size limit exceeded: requested \d+, available: 232448", fail), fail
 
 
+def test_each_target_compiles_into_a_kernel_cache_of_its_own(tmp_path):
+    """XLA's kernel cache finds a kernel by its fusion's fingerprint, which leaves the target out
+    (aot.compiler_options). An fp8 e4m3 attention kernel compiled for sm_90 must not be handed to
+    sm_80, where Triton rejects the conversion; it aborts the process, hence a subprocess (its
+    cache folder, which the abort leaves behind, goes under tmp_path)."""
+    code = (f"import tempfile\ntempfile.tempdir = {str(tmp_path)!r}\n"
+            "from jaxserve import aot\n"
+            "aot.compile_only_environment()\n"
+            "for t in ('sm_90', 'sm_80'):\n"
+            "    aot._attention_case(t, 'smollm2-135m', 'decode', 'bfloat16', 'fp8_e4m3', 8, 1, 32).compile()\n"
+            "    print('compiled', t, flush=True)\n")
+    run = subprocess.run([str(AOT_PYTHON), "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "compiled sm_90" in run.stdout, run.stderr[-3000:]
+    assert run.returncode != 0 and "compiled sm_80" not in run.stdout, run.stdout
+    assert "only supported on compute capability >= 89" in run.stderr, run.stderr[-3000:]
+    assert [p.name for p in tmp_path.glob("jaxserve-gpu-kernels-*/*")] == ["sm_90.bin"]
+
+
 def test_the_cpu_test_environment_has_no_cuda_plugin():
     assert importlib.util.find_spec("jax_cuda12_plugin") is None
     assert {d.platform for d in jax.devices()} == {"cpu"}
