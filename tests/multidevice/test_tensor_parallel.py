@@ -25,7 +25,7 @@ from jaxserve.layers import parallel
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (forced host) devices")
 
 SMALL = dict(max_num_seqs=4, max_model_len=128, decode_batch_buckets=(4,), context_buckets=(128,),
-             prefill_batch_buckets=(4,), prefill_length_buckets=(32,), num_pages=48, compilation_cache_dir=None)
+             prefill_batch_buckets=(4,), prefill_length_buckets=(32,), num_pages=48)
 LOGPROB_ATOL = 1e-4
 
 
