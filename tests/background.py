@@ -1,19 +1,24 @@
-"""Subprocess checks that start when collection finishes and run beside the suite.
+"""Subprocess checks: whole programs that two tests run in a process of their own.
 
-Two tests run a whole program in a subprocess of their own: the tensor-parallel suite on four
-forced CPU devices (tests/test_tensor_parallel.py) and the GPU ahead-of-time compiles in the
-CUDA plugin's environment (tests/test_gpu_aot.py), together about six minutes of CPU. They
-start as soon as pytest has collected them, under Linux's SCHED_IDLE policy (`chrt --idle`;
-nice 19 where there is no chrt), so they take the cycles the other tests leave idle (server
-start-ups, HTTP round trips, Ray) instead of adding their time to the suite's; the test waits
-for its job and judges its output. Their test files run last (`last`), so the jobs have the
-whole suite to finish in. A job whose test was not collected never starts; one still running at
-the end is killed.
+The GPU ahead-of-time compiles in the CUDA plugin's environment (tests/test_gpu_aot.py, about
+220 busy core-s alone) start as soon as pytest has collected their test and run beside the
+suite under Linux's SCHED_IDLE policy (`chrt --idle`; nice 19 where there is no chrt), taking
+the cycles the other tests leave idle (server start-ups, HTTP round trips, Ray). The
+tensor-parallel suite on four forced CPU devices (tests/test_tensor_parallel.py, ~150 core-s
+alone) starts when its test asks for it, at the end. Each test waits for its job and judges its
+output; the two test files run last (`last`). A job whose test was not collected never starts;
+one still running at the end is killed.
 
-Why not nice 19 alone: Ray runs its workers, the cluster tests' replicas, at nice 15, and a nice
-19 job takes 15 / (15 + 36) of a core from each; SCHED_IDLE's weight is 3. tests/test_cluster.py
-alone took 164 s, beside the GPU AOT check 187 s at nice 19 and 167 s under SCHED_IDLE (which
-still compiled 79 of the check's 216 cases meanwhile, against 94 at nice 19).
+Why not nice 19: Ray runs its workers, the cluster tests' replicas, at nice 15, and a nice 19 job
+takes 15 / (15 + 36) of a core from each; SCHED_IDLE's weight is 3. tests/test_cluster.py alone
+took 164 s, beside the GPU AOT check 187 s at nice 19 and 167 s under SCHED_IDLE (which still
+compiled 79 of the check's 216 cases meanwhile, against 94 at nice 19).
+
+Why the tensor-parallel suite does not run beside: its four devices meet in collectives, and
+starved of CPU they wait for each other. Beside tests/test_overlap.py, idle-scheduled, it burned
+~58 busy core-s on little more than its first test while test_overlap.py took 68.6 s against
+60.3 s alone (63.0 s beside the GPU AOT check); whole clean-clone runs with both jobs beside the
+suite took 1,047-1,076 s, and 812 s without either job.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ AOT_PYTHON = ROOT / ".venv-gpu-aot" / "bin" / "python"
 
 
 class Job:
-    def __init__(self, test_file: str, argv: list[str], env: dict[str, str] | None = None):
-        self.test_file, self.argv, self.env = test_file, argv, env
+    def __init__(self, test_file: str, argv: list[str], env: dict[str, str] | None = None, beside: bool = True):
+        """`beside`: start when collection finishes and run beside the suite; else when its test asks."""
+        self.test_file, self.argv, self.env, self.beside = test_file, argv, env, beside
         self._proc: subprocess.Popen | None = None
         self._out = self._err = None
 
@@ -62,7 +68,7 @@ def _xla_flags(n: int) -> str:
 JOBS = {
     "tensor_parallel": Job("test_tensor_parallel.py",
                            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
-                            str(ROOT / "tests" / "multidevice")], {"XLA_FLAGS": _xla_flags(4)}),
+                            str(ROOT / "tests" / "multidevice")], {"XLA_FLAGS": _xla_flags(4)}, beside=False),
     "gpu_aot": Job("test_gpu_aot.py", [str(AOT_PYTHON), str(ROOT / "scripts" / "gpu_aot_check.py")]),
 }
 
@@ -77,7 +83,7 @@ def last(items: list) -> list:
 def start_collected(items) -> None:
     files = {Path(str(item.fspath)).name for item in items}
     for job in JOBS.values():
-        if job.test_file in files and (job is not JOBS["gpu_aot"] or AOT_PYTHON.exists()):
+        if job.beside and job.test_file in files and (job is not JOBS["gpu_aot"] or AOT_PYTHON.exists()):
             job.start()
 
 

@@ -1,7 +1,7 @@
 """Runs tests/multidevice (tensor parallelism) in a pytest session of its own with four forced
 CPU devices: XLA reads the device count once, before jax starts, and the rest of the suite
-keeps one device. The session starts when collection finishes and runs beside the suite at low
-priority (tests/background.py); this test waits for it and reads its summary."""
+keeps one device. The session starts when this test, one of the last, asks for it (not beside
+the suite: tests/background.py says why); the test waits for it and reads its summary."""
 
 from __future__ import annotations
 
