@@ -15,10 +15,12 @@ took 164 s, beside the GPU AOT check 187 s at nice 19 and 167 s under SCHED_IDLE
 compiled 79 of the check's 216 cases meanwhile, against 94 at nice 19).
 
 Why the tensor-parallel suite does not run beside: its four devices meet in collectives, and
-starved of CPU they wait for each other. Beside tests/test_overlap.py, idle-scheduled, it burned
-~58 busy core-s on little more than its first test while test_overlap.py took 68.6 s against
-60.3 s alone (63.0 s beside the GPU AOT check); whole clean-clone runs with both jobs beside the
-suite took 1,047-1,076 s, and 812 s without either job.
+starved of CPU they wait for each other. Beside tests/test_overlap.py, idle-scheduled, it passed
+one test in the 69 s that test_overlap.py took (60.3 s alone, 63.0 s beside the GPU AOT check),
+the machine busy 146 core-s against 88. Whole clean-clone runs on one 2-core machine
+(2026-12-07): both jobs beside, 1,047 s at nice 19 and 1,076 s idle-scheduled; this way 1,064 s,
+109 s of it the tensor-parallel suite at the end; 812 s with neither job. Running beside buys
+little here: the tests slow down by about what the jobs would take alone.
 """
 
 from __future__ import annotations
