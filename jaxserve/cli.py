@@ -316,8 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantization of the matmul weights")
     c.add_argument("--group-size", type=int, default=128, help="int4 group size along the input dimension")
     c.add_argument("--kv-calibration", metavar="TEXT_FILE",
-                   help="run the converted model over this text and store per-layer fp8 KV cache scales "
-                        "(kv_scales.json), used with --kv-cache-dtype fp8_e4m3 / fp8_e5m2")
+                   help="run the converted model over this text and store per-layer fp8 KV cache scales and "
+                        "key transforms (kv_scales.json, kv_keys.npy), used with --kv-cache-dtype fp8_e4m3 / fp8_e5m2")
     c.add_argument("--kv-calibration-tokens", type=int, default=2048, metavar="N",
                    help="tokens of the calibration text to run (default 2048)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -148,7 +148,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "float3
     `quantize` = "int8" | "int4" stores the matmul weights weight-only quantized
     (jaxserve/checkpoint/quantize.py); config.json records it under "jaxserve_quantization".
     `kv_calibration`, a text file: the converted model runs over its first
-    `kv_calibration_tokens` tokens and writes per-layer fp8 KV scales (checkpoint/kv_scales.py)."""
+    `kv_calibration_tokens` tokens and writes per-layer fp8 KV scales and key transforms
+    (checkpoint/kv_scales.py)."""
     from jaxserve.checkpoint.quantize import MODES, quantize_params
 
     src, dst = Path(src), Path(dst)
@@ -218,9 +219,10 @@ def _calibrate_kv(model_dir: Path, cfg: ModelConfig, params, text: str, name: st
     tokens = Tokenizer(model_dir).encode(text, add_special_tokens=False)[:min(max_tokens, cfg.max_position_embeddings)]
     if len(tokens) < 16:
         raise ConversionError(f"--kv-calibration {name}: {len(tokens)} tokens; give a text of at least 16")
-    scales = kv_scales.calibrate(params, cfg, tokens)
-    path = kv_scales.save(model_dir, scales, {"text": name, "tokens": len(tokens)})
-    log.info("fp8 KV scales from %d tokens of %s written to %s", len(tokens), name, path.name)
+    scales, keys = kv_scales.calibrate(params, cfg, tokens)
+    path = kv_scales.save(model_dir, scales, {"text": name, "tokens": len(tokens)}, keys)
+    log.info("fp8 KV scales and key transforms from %d tokens of %s written to %s and %s", len(tokens), name,
+             path.name, kv_scales.KEYS_FILE)
 
 
 def int4_group_hint(src: Path, group_size: int) -> str | None:

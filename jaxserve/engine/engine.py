@@ -77,16 +77,20 @@ def kv_budget_bytes(config: EngineConfig) -> int:
     return int(config.kv_cache_memory_gib * 2**30)
 
 
-def fp8_kv_scales(model_dir: Path, cfg: ModelConfig, what: str = "the model") -> np.ndarray | None:
-    """The checkpoint's per-layer fp8 KV scales (checkpoint/kv_scales.py), or None for 1.0; says which."""
+def fp8_kv_calibration(model_dir: Path, cfg: ModelConfig, params: dict,
+                       what: str = "the model") -> tuple[np.ndarray | None, dict]:
+    """The checkpoint's fp8 KV calibration (checkpoint/kv_scales.py): (per-layer scales, or None
+    for 1.0; params with its key transforms, where it has them); says which."""
     scales = kv_scales.load(model_dir, cfg.num_layers)
+    keys = kv_scales.load_keys(model_dir, cfg)
     if scales is None:
         log.info("fp8 KV cache of %s: scale 1.0 (no %s in %s; `jaxserve convert --kv-calibration` writes one)",
                  what, kv_scales.FILE, model_dir)
     else:
-        log.info("fp8 KV cache of %s: per-layer scales from %s (K %.3g to %.3g, V %.3g to %.3g)", what,
-                 model_dir / kv_scales.FILE, scales[0].min(), scales[0].max(), scales[1].min(), scales[1].max())
-    return scales
+        log.info("fp8 KV cache of %s: per-layer scales from %s (K %.3g to %.3g, V %.3g to %.3g), %s", what,
+                 model_dir / kv_scales.FILE, scales[0].min(), scales[0].max(), scales[1].min(), scales[1].max(),
+                 "Hadamard-rotated keys" if keys is None else f"keys through {kv_scales.KEYS_FILE}")
+    return scales, params if keys is None else kv_scales.with_key_transforms(params, keys)
 
 
 class Engine:
@@ -129,11 +133,16 @@ class Engine:
             log.warning("kv_cache_dtype %s on a CPU: every step copies the whole KV cache twice per layer "
                         "(XLA's CPU backend has no float8 scatter); int8 holds as many tokens at full speed",
                         config.kv_cache_dtype)
-        self.runner = ModelRunner(self.model_cfg, params, self.config, num_pages, self.mesh,
-                                  kv_scales=fp8_kv_scales(self.model_dir, self.model_cfg) if fp8 else None)
+        scales = draft_scales = None
+        if fp8:
+            scales, params = fp8_kv_calibration(self.model_dir, self.model_cfg, params)
+            if draft is not None:
+                draft_scales, draft_params = fp8_kv_calibration(Path(config.speculative.draft_model), *draft,
+                                                                "the draft model")
+                draft = (draft[0], draft_params)
+        self.runner = ModelRunner(self.model_cfg, params, self.config, num_pages, self.mesh, kv_scales=scales)
         self.draft = None if draft is None else DraftRunner(
-            *draft, self.config, num_pages, self.runner.verify_batches, self.mesh,
-            kv_scales=fp8_kv_scales(Path(config.speculative.draft_model), draft[0], "the draft model") if fp8 else None)
+            *draft, self.config, num_pages, self.runner.verify_batches, self.mesh, kv_scales=draft_scales)
         max_chunk = self.runner.prefill_lengths[-1]
         budget = self.config.prefill_token_budget or max(self.runner.prefill_batches) * max_chunk
         self.scheduler = Scheduler(SchedulerConfig(

@@ -68,8 +68,13 @@ class AttentionMetadata:
 # so a page is self-contained: swap and prefix caching move its scales with it). fp8 stores
 # them as float8 divided by one scale per layer for K and one for V (`AttentionMetadata.kv_scales`:
 # 1.0 unless the checkpoint carries calibrated ones, jaxserve/checkpoint/kv_scales.py), a cache
-# (k, v). Both quantized kinds store keys and values rotated by a Hadamard matrix (`rotate`).
+# (k, v). Both quantized kinds store keys and values rotated by a Hadamard matrix (`rotate`);
+# a calibrated fp8 cache stores keys through its own transform per KV head (`KEY_TRANSFORM`).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+# A calibrated fp8 cache's key transforms, a layer parameter [L, 2, K, D, D] (the scan hands a
+# layer its [2, K, D, D]): keys are stored as k W H and compared with q W^-1 H, per KV head,
+# in place of H (checkpoint/kv_scales.py says why and how W is chosen).
+KEY_TRANSFORM = "kv_keys"
 SCALE_DTYPE = jnp.float16
 MIN_SCALE = 2.0 ** -14  # float16's smallest normal: an all-zero token keeps a finite scale
 
@@ -122,11 +127,22 @@ def rotate(x: jax.Array) -> jax.Array:
     whole vector, not its outliers. On the default model (quant_quality.py's prompts, 512
     continuation tokens) teacher-forced top-1 agreement with the float cache is 98.2 % for
     int8 K/V without rotation and 99.2 % with it; fp8 e4m3 93.8 % and 95.3 % (BENCHMARKS.md).
+    A calibrated fp8 cache goes further for keys (`transform_heads`, checkpoint/kv_scales.py).
     """
     h = hadamard(x.shape[-1])
     if h is None:
         return x
     return jnp.matmul(x.astype(jnp.float32), jnp.asarray(h), precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+
+
+def transform_heads(x: jax.Array, m: jax.Array) -> jax.Array:
+    """x [B, T, H, D] @ m[k] [D, D] for each head, m [K, D, D] holding one matrix per KV head
+    (a query head takes its group's: H = K * G, heads ordered by group)."""
+    B, T, H, D = x.shape
+    K = m.shape[0]
+    y = jnp.einsum("BTKGD,KDE->BTKGE", x.reshape(B, T, K, H // K, D).astype(jnp.float32), m,
+                   precision=jax.lax.Precision.HIGHEST)
+    return y.reshape(B, T, H, D).astype(x.dtype)
 
 
 def _to_fp8(x: jax.Array, dtype, scale) -> jax.Array:
@@ -224,20 +240,26 @@ def attend_one(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
-              kv_cache: tuple[jax.Array, jax.Array] | None, layer: jax.Array):
+              kv_cache: tuple[jax.Array, jax.Array] | None, layer: jax.Array,
+              key_transform: jax.Array | None = None):
     """One layer's attention; returns (out [B, T, Hq, D], updated kv_cache or None).
 
-    q [B, T, Hq, D]; k, v [B, T, K, D] for this step's tokens.
+    q [B, T, Hq, D]; k, v [B, T, K, D] for this step's tokens. key_transform [2, K, D, D]: the
+    layer's calibrated key and query transforms (`KEY_TRANSFORM`), used by an fp8 cache in place of H.
     """
     if meta.mesh is not None and kv_cache is not None:
-        return _per_shard(q, k, v, meta, kv_cache, layer)
+        return _per_shard(q, k, v, meta, kv_cache, layer, key_transform)
     if kv_cache is None:
         out = attend(q, k, v, meta.positions, meta.positions, meta.context_lens, meta.sliding_window)
         return out, None
     k_cache, v_cache, *scales = kv_cache
     rotated = k_cache.dtype.itemsize == 1  # a quantized cache keeps keys and values rotated (`rotate`)
     if rotated:
-        q, k, v = rotate(q), rotate(k), rotate(v)
+        if key_transform is not None and not scales:  # fp8, calibrated
+            q, k = transform_heads(q, key_transform[1]), transform_heads(k, key_transform[0])
+        else:
+            q, k = rotate(q), rotate(k)
+        v = rotate(v)
     if scales:  # int8: quantize per token and KV head as the token is written
         (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
         scales = [write_kv(scales[0], layer, meta.slot_mapping, k_scale),
@@ -276,17 +298,19 @@ def attend_pages(q: jax.Array, kv_cache: tuple[jax.Array, ...], meta: AttentionM
     return impl(q, keys, values, meta.positions, k_pos, meta.context_lens, meta.sliding_window)
 
 
-def _per_shard(q, k, v, meta: AttentionMetadata, kv_cache, layer):
-    """`attention` on each device over its own heads: q [B, T, Hq/N, D], k, v [B, T, K/N, D] and
-    its KV heads' slice of every page. No communication: the heads are independent (GQA keeps
-    a query head with its KV head, as Hq/N and K/N split alike)."""
+def _per_shard(q, k, v, meta: AttentionMetadata, kv_cache, layer, key_transform=None):
+    """`attention` on each device over its own heads: q [B, T, Hq/N, D], k, v [B, T, K/N, D],
+    its KV heads' slice of every page and of the key transforms [2, K/N, D, D]. No
+    communication: the heads are independent (GQA keeps a query head with its KV head, as Hq/N
+    and K/N split alike)."""
     (axis,) = meta.mesh.axis_names
     heads = P(None, None, axis)
     cache = tuple(P(None, None, None, axis) for _ in kv_cache)  # pages [L, NP, PS, K, D], scales [L, NP, PS, K]
     local = meta.replace(mesh=None)
-    fn = jax.shard_map(lambda q, k, v, c, l, m: attention(q, k, v, m, c, l), mesh=meta.mesh,
-                       in_specs=(heads, heads, heads, cache, P(), P()), out_specs=(heads, cache), check_vma=False)
-    return fn(q, k, v, kv_cache, layer, local)
+    fn = jax.shard_map(lambda q, k, v, c, l, m, t: attention(q, k, v, m, c, l, t), mesh=meta.mesh,
+                       in_specs=(heads, heads, heads, cache, P(), P(), P() if key_transform is None else P(None, axis)),
+                       out_specs=(heads, cache), check_vma=False)
+    return fn(q, k, v, kv_cache, layer, local, key_transform)
 
 
 def _pallas_attention(q, kv_cache, meta: AttentionMetadata, layer) -> jax.Array:

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
+from jaxserve.layers.attention import KEY_TRANSFORM
 from jaxserve.layers.rotation import unsigned
 
 AXIS = "tp"
@@ -93,6 +94,8 @@ def param_specs(params: dict, n: int) -> dict:
             specs["layers"][name] = weight_specs("column" if name in COLUMN else "row", w, n)
         elif name in BIASES:
             specs["layers"][name] = _split(w.shape, -1, n)
+        elif name == KEY_TRANSFORM:  # [L, 2, K, Dh, Dh]: each device its KV heads' transforms
+            specs["layers"][name] = _split(w.shape, 2, n)
         else:
             specs["layers"][name] = P()
     # The vocabulary: embed [V, D] (int8: q8 [V, D], scale [V]) and lm_head [D, V] by V.

@@ -12,6 +12,7 @@ projection is `x @ w`, through `layers.linear` (which also takes int8/int4 weigh
                wo [L, Hq*Dh, D]
                mlp_norm [L, D]
                w_gate, w_up [L, D, F]   w_down [L, F, D]
+               kv_keys [L, 2, K, Dh, Dh]  (only with a calibrated fp8 KV cache: checkpoint/kv_scales.py)
     final_norm [D]
     lm_head    [D, V]  (absent when embeddings are tied)
 
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.layers.attention import AttentionMetadata, attention
+from jaxserve.layers.attention import KEY_TRANSFORM, AttentionMetadata, attention
 from jaxserve.layers.linear import embed, linear, tied_logits
 
 Params = dict
@@ -56,27 +57,36 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def _projections(meta: AttentionMetadata):
+    """(column, row): the layer's matmuls, split one way or the other under tensor parallelism
+    (layers/parallel.py)."""
+    mm = functools.partial(linear, impl=meta.matmul_impl, interpret=meta.interpret, mesh=meta.mesh)
+    return functools.partial(mm, split="column"), functools.partial(mm, split="row")
+
+
+def _qkv(cfg: ModelConfig, meta: AttentionMetadata, p, x: jax.Array):
+    """x [B, T, D] -> q [B, T, Hq, Dh], k and v [B, T, K, Dh] of one layer, q and k after RoPE."""
+    B, T, _ = x.shape
+    Hq, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    col, _ = _projections(meta)
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = col(h, p["wq"]), col(h, p["wk"]), col(h, p["wv"])
+    if cfg.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    inv_freq = _inv_freq(cfg)
+    return (rope(q.reshape(B, T, Hq, Dh), meta.positions, inv_freq),
+            rope(k.reshape(B, T, K, Dh), meta.positions, inv_freq), v.reshape(B, T, K, Dh))
+
+
 def _layer(cfg: ModelConfig, meta: AttentionMetadata, carry, layer_in):
     """One decoder block. carry = (x [B, T, D], kv_cache or None); layer_in = (params_l, l)."""
     x, kv_cache = carry
     p, layer = layer_in
     B, T, _ = x.shape
-    Hq, K, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    mm = functools.partial(linear, impl=meta.matmul_impl, interpret=meta.interpret, mesh=meta.mesh)
-    col, row = functools.partial(mm, split="column"), functools.partial(mm, split="row")  # layers/parallel.py
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = col(h, p["wq"])
-    k = col(h, p["wk"])
-    v = col(h, p["wv"])
-    if cfg.qkv_bias:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    inv_freq = _inv_freq(cfg)
-    q = rope(q.reshape(B, T, Hq, Dh), meta.positions, inv_freq)
-    k = rope(k.reshape(B, T, K, Dh), meta.positions, inv_freq)
-    v = v.reshape(B, T, K, Dh)
-    attn, kv_cache = attention(q, k, v, meta, kv_cache, layer)
-    x = x + row(attn.reshape(B, T, Hq * Dh), p["wo"])
+    col, row = _projections(meta)
+    q, k, v = _qkv(cfg, meta, p, x)
+    attn, kv_cache = attention(q, k, v, meta, kv_cache, layer, p.get(KEY_TRANSFORM))
+    x = x + row(attn.reshape(B, T, cfg.num_heads * cfg.head_dim), p["wo"])
 
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     x = x + row(jax.nn.silu(col(h, p["w_gate"])) * col(h, p["w_up"]), p["w_down"])
@@ -111,6 +121,24 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, meta: Attention
     """Full forward: tokens [B, T] -> (logits [B, T, V] float32, kv_cache)."""
     hidden, kv_cache = forward_hidden(params, cfg, tokens, meta, kv_cache)
     return logits_from_hidden(params, hidden, meta.matmul_impl, meta.interpret, meta.mesh), kv_cache
+
+
+def activations(params: Params, cfg: ModelConfig, tokens: list[int]):
+    """Each layer's queries [T, Hq, Dh], keys and values [T, K, Dh] over one sequence (q and k
+    after RoPE), cache-free, one layer at a time (one compiled layer for all): what an fp8 KV
+    calibration reads (checkpoint/kv_scales.py)."""
+    n = len(tokens)
+    meta = reference_metadata(np.array([n]), n, cfg)
+
+    @jax.jit
+    def step(x, p, layer):
+        (out, _), _ = _layer(cfg, meta, (x, None), (p, layer))
+        return out, _qkv(cfg, meta, p, x)
+
+    x = embed(params["embed"], jnp.asarray([tokens], jnp.int32), params["final_norm"].dtype)
+    for layer in range(cfg.num_layers):
+        x, (q, k, v) = step(x, jax.tree.map(lambda a: a[layer], params["layers"]), layer)  # noqa: B023
+        yield q[0], k[0], v[0]
 
 
 def reference_metadata(lengths: np.ndarray, T: int, cfg: ModelConfig) -> AttentionMetadata:

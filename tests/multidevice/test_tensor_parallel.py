@@ -118,14 +118,24 @@ def test_swap_and_int8_kv_under_tensor_parallelism(tiny_dirs):
 
 def test_fp8_kv_with_calibrated_per_layer_scales_under_tensor_parallelism(tiny_dirs, tmp_path):
     """kv_scales.json (here scales 10x and 100x the tiny model's need, so that applying them
-    matters) reaches every shard's attention: the same tokens and logprobs as one device."""
+    matters) and kv_keys.npy (a different random transform per KV head) reach every shard's
+    attention, each device its own heads' transforms: the same tokens and logprobs as one device."""
     from jaxserve.checkpoint import kv_scales
+    from jaxserve.config import ModelConfig
+    from jaxserve.layers.attention import KEY_TRANSFORM
 
     model_dir = tmp_path / "llama-fp8"
     shutil.copytree(tiny_dirs["llama"], model_dir)
-    kv_scales.save(model_dir, np.array([[0.1, 0.2], [1.0, 2.0]], np.float32), {"text": "by hand", "tokens": 0})
+    cfg = ModelConfig.from_dir(model_dir)
+    rng = np.random.default_rng(0)
+    moments = rng.normal(size=(2, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2 * cfg.head_dim))
+    keys = np.stack([[kv_scales.key_balance(q @ q.T, k @ k.T) for q, k in zip(*layer)]
+                     for layer in moments.swapaxes(0, 1)])  # [L, K, D, D]
+    kv_scales.save(model_dir, np.array([[0.1, 0.2], [1.0, 2.0]], np.float32), {"text": "by hand", "tokens": 0}, keys)
     llm = _assert_same(model_dir, 2, _prompts(160, seed=4), kv_cache_dtype="fp8_e4m3")
     np.testing.assert_array_equal(llm.engine.runner.kv_scales, np.float32([[0.1, 0.2], [1.0, 2.0]]))
+    transforms = llm.engine.runner.params["layers"][KEY_TRANSFORM]  # [L, 2, K, D, D], split by KV head
+    assert transforms.shape[2] == cfg.num_kv_heads and not transforms.sharding.is_fully_replicated
 
 
 def test_each_device_holds_a_third_of_the_weights_and_the_kv_cache(default_tp3):
