@@ -68,6 +68,12 @@ def logits(params, cfg, seq: list[int], matmul_impl: str = "xla") -> np.ndarray:
     return np.asarray(out[0], np.float32)
 
 
+def kl_divergence(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """KL(ref || got) of the next-token distributions of logits [..., V] -> [...]."""
+    p, q = jax.nn.log_softmax(jnp.asarray(ref, jnp.float32)), jax.nn.log_softmax(jnp.asarray(got, jnp.float32))
+    return np.asarray(jnp.sum(jnp.exp(p) * (p - q), axis=-1))
+
+
 def agreement(params, cfg, seqs, tokens: int, matmul_impl: str = "xla", ref: list | None = None) -> str:
     """Top-1 agreement with the float model's greedy tokens; with `ref` (the float model's
     logits of each sequence) also the mean KL divergence from its next-token distribution over
@@ -82,9 +88,7 @@ def agreement(params, cfg, seqs, tokens: int, matmul_impl: str = "xla", ref: lis
         agree += int(np.sum(got.argmax(-1) == np.asarray(out)))
         total += len(out)
         if ref is not None:
-            p = jax.nn.log_softmax(ref[k][tail])
-            q = jax.nn.log_softmax(got)
-            kl.append(np.asarray(jnp.sum(jnp.exp(p) * (p - q), axis=-1)))
+            kl.append(kl_divergence(ref[k][tail], got))
     text = f"top-1 agreement with float32 {agree / total:.1%} ({agree}/{total} tokens, {len(seqs)} prompts x {tokens})"
     return text + (f", mean KL from float32 {np.concatenate(kl).mean():.4f}" if kl else "")
 
@@ -193,7 +197,8 @@ def chat_sequences(tok, cfg, params, tokens: int) -> list[tuple[list[int], list[
 def kv_rows(params, cfg, seqs, tokens: int) -> None:
     """Quantized KV caches against the float32 cache, both through the paged path (every key and
     value written to the cache and read back): teacher-forced top-1 agreement on the chat
-    prompts' continuations, the largest logit difference there, and a long-context case (a
+    prompts' continuations, the largest logit difference there, the mean KL divergence from the
+    float cache's next-token distribution over every position, and a long-context case (a
     1,500-token passage of documentation and the float model's 64-token continuation), where
     KV errors add up over many keys."""
     from jaxserve.bench.dataset import corpus_window, load_tokenizer
@@ -207,25 +212,34 @@ def kv_rows(params, cfg, seqs, tokens: int) -> None:
     # fp8 scales calibrated as `jaxserve convert --kv-calibration` does, on 2,048 tokens of another
     # passage of the same documentation corpus
     calibration = btok.encode(corpus_window(btok, random.Random(1), 2048), add_special_tokens=False).ids
-    calibrated = kv_scales.calibrate(params, cfg, calibration)
-    kinds = [("int8", "int8", None), ("fp8_e4m3", "fp8_e4m3", None), ("fp8_e5m2", "fp8_e5m2", None),
-             ("fp8_e4m3 calibrated", "fp8_e4m3", calibrated), ("fp8_e5m2 calibrated", "fp8_e5m2", calibrated)]
+    # (the scales alone: Hadamard-rotated keys; then with the key transforms)
+    hadamard_scales, _ = kv_scales.calibrate(params, cfg, calibration, balance=False)
+    scales, keys = kv_scales.calibrate(params, cfg, calibration)
+    balanced = kv_scales.with_key_transforms(params, keys)
+    kinds = [("int8", "int8", None, params), ("fp8_e4m3", "fp8_e4m3", None, params),
+             ("fp8_e5m2", "fp8_e5m2", None, params),
+             ("fp8_e4m3 calibrated scales", "fp8_e4m3", hadamard_scales, params),
+             ("fp8_e5m2 calibrated scales", "fp8_e5m2", hadamard_scales, params),
+             ("fp8_e4m3 calibrated scales and keys", "fp8_e4m3", scales, balanced),
+             ("fp8_e5m2 calibrated scales and keys", "fp8_e5m2", scales, balanced)]
     for case, group in (("chat prompts", seqs), ("1,500-token passage", long)):
         refs = [paged_logits(params, cfg, i + o) for i, o in group]
-        for label, kv, scales in kinds:
+        for label, kv, kv_scale, kv_params in kinds:
             agree = total = every = every_total = 0
-            worst = 0.0
+            worst, kl = 0.0, []
             for (i, o), ref in zip(group, refs):
-                got = paged_logits(params, cfg, i + o, kv, kv_scales=scales)
+                got = paged_logits(kv_params, cfg, i + o, kv, kv_scales=kv_scale)
                 tail = slice(len(i) - 1, len(i) - 1 + len(o))
                 agree += int(np.sum(got[tail].argmax(-1) == ref[tail].argmax(-1)))
                 total += len(o)
                 every += int(np.sum(got[:-1].argmax(-1) == ref[:-1].argmax(-1)))
                 every_total += len(i) + len(o) - 1
                 worst = max(worst, float(np.abs(got[tail] - ref[tail]).max()))
+                kl.append(kl_divergence(ref[:-1], got[:-1]))
             print(f"KV cache {label}, {case}: top-1 agreement with the float32 cache {agree / total:.1%} "
                   f"({agree}/{total} continuation tokens), {every / every_total:.1%} over every position "
-                  f"({every_total}); largest logit difference {worst:.3f}")
+                  f"({every_total}), mean KL there {np.concatenate(kl).mean():.4f}; largest logit difference "
+                  f"{worst:.3f}")
 
 
 if __name__ == "__main__":
