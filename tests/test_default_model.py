@@ -2,7 +2,7 @@
 
 Greedy decoding with the chat template must give the same first 32 tokens as HF
 transformers loading the very same GGUF file (dequantized to float32 by its own
-loader), on five different chat prompts. EOS is ignored on both sides so all 32
+loader), on six different chat prompts. EOS is ignored on both sides so all 32
 positions are compared.
 """
 
