@@ -92,8 +92,8 @@ def test_calibrated_key_transforms_lower_the_fp8_kv_caches_error(teacher_forced,
     hadamard_scales, identity = kv_scales.calibrate(params, cfg, calibration, balance=False)
     assert (identity == np.eye(cfg.head_dim)).all()
     scales, keys = kv_scales.calibrate(params, cfg, calibration)
-    kl = {}
     balanced = kv_scales.with_key_transforms(params, keys)
+    kl = {}
     for name, p, s in (("hadamard", params, hadamard_scales), ("keys", balanced, scales)):
         tails = []  # the positions that predict the continuation
         for prompt, cont, ref in seqs:
