@@ -100,14 +100,15 @@ def calibrate(params, cfg, tokens: list[int], balance: bool = True) -> tuple[np.
     L, K, G, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     keys = np.zeros((L, K, D, D), np.float32)
     amax = np.zeros((2, L), np.float64)
+    rotation = _hadamard(D)
     for layer, (q, k, v) in enumerate(family(cfg).activations(params, cfg, tokens)):
         q = np.asarray(q, np.float64).reshape(len(tokens), K, G, D)  # [T, Hq, D], grouped by KV head
         k, v = np.asarray(k, np.float64), np.asarray(v, np.float64)  # [T, K, D]
         for h in range(K):
             qh = q[:, h].reshape(-1, D)
             keys[layer, h] = key_balance(qh.T @ qh / len(qh), k[:, h].T @ k[:, h] / len(k)) if balance else np.eye(D)
-        stored_k = np.einsum("tkd,kde->tke", k, key_transforms(keys[layer][None])[0, 0])  # k W H
-        amax[:, layer] = np.abs(stored_k).max(), np.abs(v @ _hadamard(D)).max()
+        stored_k = np.einsum("tkd,kde->tke", k, keys[layer] @ rotation)  # k W H, as `key_transforms` makes it
+        amax[:, layer] = np.abs(stored_k).max(), np.abs(v @ rotation).max()
     return np.maximum(amax / FP8_E4M3_MAX, MIN_SCALE).astype(np.float32), keys
 
 
