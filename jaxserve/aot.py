@@ -94,11 +94,40 @@ def target(name: str) -> NamedSharding:
     return NamedSharding(Mesh(np.asarray(topo.devices), ("gpu",)), P())
 
 
+KERNEL_CACHE_PREFIX = "jaxserve-gpu-kernels-pid"
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel_cache_dir() -> str:
-    path = tempfile.mkdtemp(prefix="jaxserve-gpu-kernels-")
+    """This process's kernel cache folder (megabytes per target), removed at exit. A process that
+    is killed never gets there (SIGKILL, a timeout's SIGTERM), so the folder names its pid and
+    the next process removes the folders of pids no longer running."""
+    remove_orphaned_kernel_caches(tempfile.gettempdir())
+    path = tempfile.mkdtemp(prefix=f"{KERNEL_CACHE_PREFIX}{os.getpid()}-")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
+
+
+def remove_orphaned_kernel_caches(root: str | Path) -> list[Path]:
+    """Removes the kernel cache folders under `root` whose process has ended; returns them. A pid
+    that is running, or that another user's process holds, keeps its folder."""
+    removed = []
+    for folder in Path(root).glob(f"{KERNEL_CACHE_PREFIX}*-*"):
+        pid = folder.name[len(KERNEL_CACHE_PREFIX):].split("-")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, another user's
+        pass
+    return True
 
 
 def compiler_options(name: str) -> dict[str, str]:

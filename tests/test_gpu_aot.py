@@ -6,6 +6,7 @@ run keeps its CPU-only jax."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 
@@ -81,6 +82,24 @@ def test_each_target_compiles_into_a_kernel_cache_of_its_own(tmp_path):
     assert run.returncode != 0 and "compiled sm_80" not in run.stdout, run.stdout
     assert "only supported on compute capability >= 89" in run.stderr, run.stderr[-3000:]
     assert [p.name for p in tmp_path.glob("jaxserve-gpu-kernels-*/*")] == ["sm_90.bin"]
+
+
+def test_kernel_caches_of_processes_that_ended_are_removed(tmp_path):
+    """A process killed mid-compile leaves its kernel cache folder (no atexit), megabytes per
+    target; the next process's `_kernel_cache_dir` removes it. Folders of running pids stay, as
+    do others under the same temporary folder."""
+    from jaxserve import aot
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    gone = tmp_path / f"{aot.KERNEL_CACHE_PREFIX}{ended.pid}-abc"
+    mine = tmp_path / f"{aot.KERNEL_CACHE_PREFIX}{os.getpid()}-def"
+    other = tmp_path / "jaxserve-gpu-kernels-xyz"  # not named for a pid: not ours to judge
+    for folder in (gone, mine, other):
+        folder.mkdir()
+        (folder / "sm_90.bin").write_bytes(b"kernels")
+    assert aot.remove_orphaned_kernel_caches(tmp_path) == [gone]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, other.name])
 
 
 def test_the_cpu_test_environment_has_no_cuda_plugin():
