@@ -232,9 +232,8 @@ def test_fp8_kv_calibration_stores_each_layers_largest_value_at_448(calibrated):
     raw = json.loads((model_dir / "kv_scales.json").read_text())
     assert raw["calibration"] == {"text": "calibration.txt", "tokens": CALIBRATION}
     cfg, params = load_model(model_dir)
-    scales = kv_scales.load(model_dir, cfg.num_layers)
+    scales, keys = kv_scales.load(model_dir, cfg)
     assert scales.shape == (2, cfg.num_layers) and (scales < 0.1).all()  # the tiny model's K/V are far below 448
-    keys = kv_scales.load_keys(model_dir, cfg)
     assert raw["keys"] == "kv_keys.npy" and keys.shape == (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
     got, kv = paged_forward(kv_scales.with_key_transforms(params, keys), cfg, tokens, "fp8_e4m3", kv_scales=scales)
     np.testing.assert_array_equal(_largest_stored(kv, list(range(-(-CALIBRATION // 16))), CALIBRATION), 448.0)
@@ -260,7 +259,7 @@ def test_the_engine_writes_and_reads_fp8_pages_with_the_checkpoints_scales(calib
     eng = Engine(model_dir, EngineConfig(**{**TINY, "kv_cache_dtype": "fp8_e4m3", "num_pages": 64,
                                             "attention_impl": attention, "interpret": attention == "pallas"}),
                  warmup=False)
-    scales = kv_scales.load(model_dir, eng.model_cfg.num_layers)
+    scales, keys = kv_scales.load(model_dir, eng.model_cfg)
     np.testing.assert_array_equal(eng.runner.kv_scales, scales)
     seq = eng.add_request(tokens, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, logprobs=5))
     logprobs = []
@@ -271,7 +270,7 @@ def test_the_engine_writes_and_reads_fp8_pages_with_the_checkpoints_scales(calib
     first = logprobs[0]
     cfg, params = load_model(model_dir)
     assert KEY_TRANSFORM in eng.runner.params["layers"]
-    params = kv_scales.with_key_transforms(params, kv_scales.load_keys(model_dir, cfg))
+    params = kv_scales.with_key_transforms(params, keys)
     ref = paged_logits(params, cfg, tokens, "fp8_e4m3", kv_scales=scales)[-1].astype(np.float64)
     ref = ref - ref.max() - np.log(np.exp(ref - ref.max()).sum())  # log_softmax
     assert first["token_id"] == int(ref.argmax())
@@ -281,12 +280,15 @@ def test_the_engine_writes_and_reads_fp8_pages_with_the_checkpoints_scales(calib
 @pytest.mark.parametrize("content", ['{"k": [1.0, 1.0]}', '{"k": [1.0], "v": [1.0]}', '{"k": [1, 0], "v": [1, 1]}',
                                      '{"k": [1, 1], "v": [1, NaN]}', 'not json'])
 def test_a_malformed_kv_scale_file_is_refused_by_name(tmp_path, content):
+    from types import SimpleNamespace
+
     from jaxserve.checkpoint import kv_scales
 
-    assert kv_scales.load(tmp_path, 2) is None  # none there: scale 1.0
+    cfg = SimpleNamespace(num_layers=2)  # what the scales are checked against
+    assert kv_scales.load(tmp_path, cfg) == (None, None)  # none there: scale 1.0
     (tmp_path / "kv_scales.json").write_text(content)
     with pytest.raises(ValueError, match="kv_scales.json"):
-        kv_scales.load(tmp_path, 2)
+        kv_scales.load(tmp_path, cfg)
 
 
 def test_key_transforms_named_but_missing_or_misshapen_are_refused(tmp_path, tiny_model_dir):
@@ -303,10 +305,10 @@ def test_key_transforms_named_but_missing_or_misshapen_are_refused(tmp_path, tin
     keys = np.broadcast_to(np.eye(cfg.head_dim, dtype=np.float32),
                            (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim))
     kv_scales.save(model_dir, np.ones((2, cfg.num_layers), np.float32), {"text": "by hand", "tokens": 0}, keys)
-    np.testing.assert_array_equal(kv_scales.load_keys(model_dir, cfg), keys)
+    np.testing.assert_array_equal(kv_scales.load(model_dir, cfg)[1], keys)
     np.save(model_dir / "kv_keys.npy", keys[:, :, :4])
     with pytest.raises(ValueError, match="kv_keys.npy"):
-        kv_scales.load_keys(model_dir, cfg)
+        kv_scales.load(model_dir, cfg)
     (model_dir / "kv_keys.npy").unlink()
     with pytest.raises(ValueError, match="kv_keys.npy"):
         Engine(model_dir, EngineConfig(**{**TINY, "kv_cache_dtype": "fp8_e4m3", "num_pages": 16}), warmup=False)

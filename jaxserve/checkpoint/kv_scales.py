@@ -123,13 +123,19 @@ def save(model_dir: str | Path, scales: np.ndarray, calibration: dict, keys: np.
     return path
 
 
-def load(model_dir: str | Path, num_layers: int) -> np.ndarray | None:
-    """The checkpoint's [2, L] scales, or None without kv_scales.json; a malformed file is a
-    ValueError naming it (a wrong scale would quietly garble every fp8 page)."""
+def load(model_dir: str | Path, cfg) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The checkpoint's fp8 KV calibration, read once: (scales [2, L], or None without
+    kv_scales.json; key transforms [L, K, D, D], or None where the file names none: W = I,
+    Hadamard alone). A malformed scale file is a ValueError naming it (a wrong scale would
+    quietly garble every fp8 page), and so is a named key file that is missing or of the wrong
+    shape: the K scales were calibrated for those keys, so it is not a fallback."""
     raw = _read(model_dir)
     if raw is None:
-        return None
-    path = Path(model_dir) / FILE
+        return None, None
+    return _scales(raw, Path(model_dir) / FILE, cfg.num_layers), _keys(raw, Path(model_dir), cfg)
+
+
+def _scales(raw: dict, path: Path, num_layers: int) -> np.ndarray:
     try:
         scales = np.asarray([raw["k"], raw["v"]], np.float64)
     except (ValueError, KeyError, TypeError) as e:
@@ -139,19 +145,15 @@ def load(model_dir: str | Path, num_layers: int) -> np.ndarray | None:
     return scales.astype(np.float32)
 
 
-def load_keys(model_dir: str | Path, cfg) -> np.ndarray | None:
-    """The checkpoint's key transforms [L, K, D, D] (the file kv_scales.json names), or None
-    where it names none (W = I, Hadamard alone). The K scales were calibrated for these keys,
-    so a named file that is missing or of the wrong shape is a ValueError, not a fallback."""
-    raw = _read(model_dir)
-    if raw is None or "keys" not in raw:
+def _keys(raw: dict, model_dir: Path, cfg) -> np.ndarray | None:
+    if "keys" not in raw:
         return None
-    path = Path(model_dir) / str(raw["keys"])
+    path = model_dir / str(raw["keys"])
     shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
     try:
         keys = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{Path(model_dir) / FILE} names {path.name}, which cannot be read: {e}") from None
+        raise ValueError(f"{model_dir / FILE} names {path.name}, which cannot be read: {e}") from None
     if keys.shape != shape or not np.isfinite(keys).all():
         raise ValueError(f"{path}: key transforms must be finite, of shape {shape}; got {keys.shape}")
     return keys.astype(np.float32)

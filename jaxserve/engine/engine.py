@@ -81,8 +81,7 @@ def fp8_kv_calibration(model_dir: Path, cfg: ModelConfig, params: dict,
                        what: str = "the model") -> tuple[np.ndarray | None, dict]:
     """The checkpoint's fp8 KV calibration (checkpoint/kv_scales.py): (per-layer scales, or None
     for 1.0; params with its key transforms, where it has them); says which."""
-    scales = kv_scales.load(model_dir, cfg.num_layers)
-    keys = kv_scales.load_keys(model_dir, cfg)
+    scales, keys = kv_scales.load(model_dir, cfg)
     if scales is None:
         log.info("fp8 KV cache of %s: scale 1.0 (no %s in %s; `jaxserve convert --kv-calibration` writes one)",
                  what, kv_scales.FILE, model_dir)

@@ -82,15 +82,20 @@ def _layer(cfg: ModelConfig, meta: AttentionMetadata, carry, layer_in):
     """One decoder block. carry = (x [B, T, D], kv_cache or None); layer_in = (params_l, l)."""
     x, kv_cache = carry
     p, layer = layer_in
+    return _block(cfg, meta, p, x, _qkv(cfg, meta, p, x), kv_cache, layer), None
+
+
+def _block(cfg: ModelConfig, meta: AttentionMetadata, p, x: jax.Array, qkv, kv_cache, layer):
+    """The decoder block over x [B, T, D] from its `_qkv`: attention, then the MLP, both
+    residual. Returns (x, kv_cache)."""
     B, T, _ = x.shape
     col, row = _projections(meta)
-    q, k, v = _qkv(cfg, meta, p, x)
-    attn, kv_cache = attention(q, k, v, meta, kv_cache, layer, p.get(KEY_TRANSFORM))
+    attn, kv_cache = attention(*qkv, meta, kv_cache, layer, p.get(KEY_TRANSFORM))
     x = x + row(attn.reshape(B, T, cfg.num_heads * cfg.head_dim), p["wo"])
 
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     x = x + row(jax.nn.silu(col(h, p["w_gate"])) * col(h, p["w_up"]), p["w_down"])
-    return (x, kv_cache), None
+    return x, kv_cache
 
 
 def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, meta: AttentionMetadata,
@@ -132,8 +137,8 @@ def activations(params: Params, cfg: ModelConfig, tokens: list[int]):
 
     @jax.jit
     def step(x, p, layer):
-        (out, _), _ = _layer(cfg, meta, (x, None), (p, layer))
-        return out, _qkv(cfg, meta, p, x)
+        qkv = _qkv(cfg, meta, p, x)
+        return _block(cfg, meta, p, x, qkv, None, layer)[0], qkv
 
     x = embed(params["embed"], jnp.asarray([tokens], jnp.int32), params["final_norm"].dtype)
     for layer in range(cfg.num_layers):
