@@ -99,18 +99,21 @@ def paged_forward(params, cfg: ModelConfig, tokens: list[int], kv_cache_dtype: s
     """`paged_logits` and the cache after it: (logits [T, V], kv_cache), the sequence's tokens in
     slots 0 .. T-1. One prefill over the whole sequence, padded to a multiple of 256 tokens
     (padding writes nothing) so few lengths compile."""
-    from jaxserve.layers.attention import init_kv_cache
+    from jaxserve.layers.attention import fp8_bits, init_kv_cache
 
     n = len(tokens)
     T = -(-n // 256) * 256
     num_pages = -(-T // page_size)
-    kv = init_kv_cache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype)
+    platform = jax.default_backend()
+    kv = init_kv_cache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype,
+                       platform)
     pos = np.arange(T, dtype=np.int32)
     meta = AttentionMetadata(positions=jnp.asarray(pos[None]), context_lens=jnp.asarray([n], jnp.int32),
                              slot_mapping=jnp.asarray(np.where(pos < n, pos, num_pages * page_size)[None]),
                              block_tables=jnp.arange(num_pages, dtype=jnp.int32)[None],
                              sliding_window=cfg.sliding_window,
-                             kv_scales=None if kv_scales is None else jnp.asarray(kv_scales, jnp.float32))
+                             kv_scales=None if kv_scales is None else jnp.asarray(kv_scales, jnp.float32),
+                             fp8_bits=fp8_bits(kv_cache_dtype, platform))
     padded = np.zeros((1, T), np.int32)
     padded[0, :n] = tokens
     logits, kv = _paged_forward(family(cfg).forward, params, cfg, jnp.asarray(padded), meta, kv)

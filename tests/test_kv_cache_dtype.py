@@ -4,9 +4,11 @@ and the engine paths (batch invariance, prefix caching, swap, no recompilation) 
 from __future__ import annotations
 
 import random
+import re
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -165,6 +167,30 @@ def test_int8_kv_engine_is_batch_invariant_prefix_cached_and_swappable(tiny_mode
     assert swap.scheduler.preemptions["swap"] > 0
 
 
+def test_fp8_pages_on_a_cpu_are_uint8_bits_that_no_step_widens(tiny_model_dir):
+    """XLA's CPU backend has no float8 scatter: writing a step's tokens into float8 pages widened
+    the whole cache to float16 and back, twice per layer (the default server's first decode step
+    with fp8 ran past the watchdog's two minutes). On a CPU the pages hold the float8 bits as uint8
+    (attention.fp8_bits), which XLA scatters in place: no compiled step holds an array of the
+    cache's shape in another type, and swapping the pages out and back gives the same outputs."""
+    eng = Engine(tiny_model_dir, EngineConfig(**{**TINY, "kv_cache_dtype": "fp8_e4m3"}), warmup=False)
+    k, v = eng.runner.kv_cache
+    assert k.dtype == v.dtype == np.uint8 and eng.runner.fp8_bits == jnp.float8_e4m3fn
+    cache_shape = re.escape("[" + ",".join(map(str, k.shape)) + "]")
+    for key in (eng.runner.buckets()[0], max(eng.runner.buckets(), key=lambda b: b[1])):  # decode, prefill
+        hlo = eng.runner._lower(key).compile().as_text()
+        assert set(re.findall(r"(\w+)" + cache_shape, hlo)) == {"u8"}, key
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(20, 60))] for _ in range(8)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    batched = run(eng, prompts, params)
+    swap = Engine(tiny_model_dir, EngineConfig(**{**TINY, "kv_cache_dtype": "fp8_e4m3", "num_pages": 14,
+                                                  "preemption_mode": "swap", "swap_space_gib": 0.01,
+                                                  "enable_prefix_caching": False}), warmup=False)
+    assert run(swap, prompts, params) == batched
+    assert swap.scheduler.preemptions["swap"] > 0
+
+
 def test_fp8_e4m3_pages_go_to_the_pallas_kernels_only_from_compute_capability_8_9():
     """Triton cannot convert float8 e4m3 on an A100 (sm_80: its compiler aborts, found by
     tests/test_gpu_aot.py's compiles), so the runner keeps such a cache on XLA attention there."""
@@ -209,7 +235,9 @@ def calibrated(tmp_path_factory, default_model_dir):
 def _largest_stored(kv, pages: list[int], n: int) -> np.ndarray:
     """[2, L]: the largest |value| each layer's K and V pages hold for the first n tokens on `pages`."""
     out = []
-    for cache in kv[:2]:  # [L, NP, PS, K, D]
+    for cache in kv[:2]:  # [L, NP, PS, K, D]; on a CPU float8 e4m3 bits in uint8 (attention.fp8_bits)
+        assert cache.dtype == np.uint8
+        cache = jax.lax.bitcast_convert_type(cache, jnp.float8_e4m3fn)
         tokens = np.asarray(cache[:, np.asarray(pages)].astype(np.float32))
         out.append(np.abs(tokens.reshape(cache.shape[0], -1, *cache.shape[3:])[:, :n]).max(axis=(1, 2, 3)))
     return np.stack(out)
@@ -255,7 +283,6 @@ def test_the_engine_writes_and_reads_fp8_pages_with_the_checkpoints_scales(calib
     from jaxserve.reference import paged_logits
 
     model_dir, tokens = calibrated
-    # 64 pages: XLA's CPU backend copies the whole fp8 cache around every write (engine.py warns)
     eng = Engine(model_dir, EngineConfig(**{**TINY, "kv_cache_dtype": "fp8_e4m3", "num_pages": 64,
                                             "attention_impl": attention, "interpret": attention == "pallas"}),
                  warmup=False)

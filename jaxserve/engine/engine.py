@@ -126,12 +126,6 @@ class Engine:
                                             f"{config.kv_cache_dtype}") \
             if config.enable_prefix_caching else None
         fp8 = config.kv_cache_dtype.startswith("fp8")
-        if fp8 and jax.default_backend() == "cpu":
-            # XLA's CPU backend has no float8 scatter: around every write it widens the whole cache
-            # to float16 and back (a 1 GiB cache made a 2-layer model's decode call take 35 s, not 1.5)
-            log.warning("kv_cache_dtype %s on a CPU: every step copies the whole KV cache twice per layer "
-                        "(XLA's CPU backend has no float8 scatter); int8 holds as many tokens at full speed",
-                        config.kv_cache_dtype)
         scales = draft_scales = None
         if fp8:
             scales, params = fp8_kv_calibration(self.model_dir, self.model_cfg, params)

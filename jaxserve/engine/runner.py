@@ -52,7 +52,7 @@ from jaxserve.engine.sampler import (NUM_TOP_LOGPROBS, SampleOutput, SamplingArr
 from jaxserve.engine.sequence import SamplingParams, Sequence
 from jaxserve.engine.speculative import ACCEPT_STREAM, accept_drafts, accepted_lengths
 from jaxserve.layers import cpu_attention, parallel
-from jaxserve.layers.attention import AttentionMetadata, init_kv_cache, kv_storage, pallas_reads_kv
+from jaxserve.layers.attention import AttentionMetadata, fp8_bits, init_kv_cache, kv_storage, pallas_reads_kv
 from jaxserve.layers.linear import resolve as resolve_impl
 from jaxserve.models import family
 
@@ -206,6 +206,9 @@ class ModelRunner:
             log.warning("%s: attention runs on XLA", why)
             self.attention_impl = "xla"
         self.matmul_impl = "w8a8" if cfg.quantization == "w8a8" else resolve_impl(cfg.matmul_impl)
+        # The platform the steps run on (an AOT target's): on a CPU fp8 pages are uint8 bits (`fp8_bits`).
+        self.platform = device.platform
+        self.fp8_bits = fp8_bits(cfg.kv_cache_dtype, self.platform)
         self.num_pages = num_pages
         self.page_size = cfg.page_size
         self.drop_slot = num_pages * cfg.page_size
@@ -231,7 +234,8 @@ class ModelRunner:
         self.prefill_lengths = tuple(t for t in cfg.prefill_length_buckets if t < cfg.max_model_len) + tuple(fits)
         # (k, v) [L, NP, PS, K, D], and for an int8 cache (k_scale, v_scale) [L, NP, PS, K]
         init = functools.partial(init_kv_cache, model_cfg.num_layers, num_pages, cfg.page_size,
-                                 model_cfg.num_kv_heads, model_cfg.head_dim, cfg.dtype, cfg.kv_cache_dtype)
+                                 model_cfg.num_kv_heads, model_cfg.head_dim, cfg.dtype, cfg.kv_cache_dtype,
+                                 self.platform)
         # Under tensor parallelism each device creates only its KV heads' share of the pages.
         if target is not None:
             self.kv_cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=target),
@@ -291,7 +295,7 @@ class ModelRunner:
                                  slot_mapping=inp.slot_mapping, block_tables=inp.block_tables,
                                  sliding_window=self.model_cfg.sliding_window, attention_impl=self.attention_impl,
                                  matmul_impl=self.matmul_impl, interpret=self.cfg.interpret, mesh=self.mesh,
-                                 kv_scales=self.kv_scales)
+                                 kv_scales=self.kv_scales, fp8_bits=self.fp8_bits)
 
     def _step(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays):
         meta = self._meta(inp)
@@ -362,7 +366,8 @@ class ModelRunner:
         meta = AttentionMetadata(positions=pos[:, None], context_lens=ctx, slot_mapping=slot[:, None],
                                  block_tables=block_tables, sliding_window=self.model_cfg.sliding_window,
                                  attention_impl=self.attention_impl, matmul_impl=self.matmul_impl,
-                                 interpret=self.cfg.interpret, mesh=self.mesh, kv_scales=self.kv_scales)
+                                 interpret=self.cfg.interpret, mesh=self.mesh, kv_scales=self.kv_scales,
+                                 fp8_bits=self.fp8_bits)
         with jax.named_scope("model"):
             hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, tokens[:, None], meta, kv_cache)
             logits = self._logits(params, hidden[:, 0])

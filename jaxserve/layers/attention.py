@@ -53,6 +53,9 @@ class AttentionMetadata:
     # An fp8 cache's scales [2, L] float32, (K, V) of each layer: a page holds x / scale.
     # None: 1.0 (values kept as they are; |x| < 448 fits e4m3).
     kv_scales: jax.Array | None = None
+    # The float8 type whose bits an fp8 cache's uint8 pages hold (on a CPU: `fp8_bits`); None
+    # where pages are float8 themselves or not fp8.
+    fp8_bits: jnp.dtype | None = struct.field(pytree_node=False, default=None)
 
     def fp8_scales(self, layer: jax.Array) -> tuple[jax.Array | float, jax.Array | float]:
         """(K scale, V scale) of `layer` for an fp8 cache."""
@@ -70,6 +73,7 @@ class AttentionMetadata:
 # 1.0 unless the checkpoint carries calibrated ones, jaxserve/checkpoint/kv_scales.py), a cache
 # (k, v). Both quantized kinds store keys and values rotated by a Hadamard matrix (`rotate`);
 # a calibrated fp8 cache stores keys through its own transform per KV head (`KEY_TRANSFORM`).
+# On a CPU an fp8 cache's pages are uint8 holding the float8 bits (`fp8_bits`).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 # A calibrated fp8 cache's key transforms, a layer parameter [L, 2, K, D, D] (the scan hands a
 # layer its [2, K, D, D]): keys are stored as k W H and compared with q W^-1 H, per KV head,
@@ -79,15 +83,34 @@ SCALE_DTYPE = jnp.float16
 MIN_SCALE = 2.0 ** -14  # float16's smallest normal: an all-zero token keeps a finite scale
 
 
-def kv_storage(kv_cache_dtype: str, dtype: str) -> tuple[jnp.dtype, int]:
-    """(element dtype of the K/V pages, scale bytes per token and KV head) of a cache setting."""
+def kv_storage(kv_cache_dtype: str, dtype: str, platform: str = "gpu") -> tuple[jnp.dtype, int]:
+    """(element dtype of the K/V pages, scale bytes per token and KV head) of a cache setting on
+    `platform` (the one the steps are compiled for)."""
     if kv_cache_dtype == "int8":
         return jnp.dtype(jnp.int8), jnp.dtype(SCALE_DTYPE).itemsize
     if kv_cache_dtype.startswith("fp8"):
-        return jnp.dtype(jnp.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else jnp.float8_e5m2), 0
+        return (jnp.dtype(jnp.uint8) if fp8_bits(kv_cache_dtype, platform) is not None
+                else fp8_format(kv_cache_dtype)), 0
     if kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     return jnp.dtype(dtype), 0
+
+
+def fp8_format(kv_cache_dtype: str) -> jnp.dtype | None:
+    """The float8 type of an fp8 cache setting; None for the others."""
+    if not kv_cache_dtype.startswith("fp8"):
+        return None
+    return jnp.dtype(jnp.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else jnp.float8_e5m2)
+
+
+def fp8_bits(kv_cache_dtype: str, platform: str) -> jnp.dtype | None:
+    """The float8 type whose bits an fp8 cache keeps in uint8 pages on `platform`: on a CPU,
+    where XLA has no float8 scatter and widens the whole cache to float16 and back around every
+    write (a bitcast of the whole cache is a copy there too): each layer's write moved the whole
+    cache, and with the default server's 2 GiB one decode step outlasted the engine watchdog's
+    120 s. A uint8 scatter writes in place, and reads bitcast only the gathered pages. None
+    elsewhere: the Pallas kernels read float8 pages."""
+    return fp8_format(kv_cache_dtype) if platform == "cpu" else None
 
 
 def pallas_reads_kv(kv_cache_dtype: str, device) -> bool:
@@ -101,9 +124,9 @@ def pallas_reads_kv(kv_cache_dtype: str, device) -> bool:
 
 
 def init_kv_cache(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: str,
-                  kv_cache_dtype: str = "auto") -> tuple[jax.Array, ...]:
+                  kv_cache_dtype: str = "auto", platform: str = "gpu") -> tuple[jax.Array, ...]:
     """Zeroed pages: (k, v) [L, NP, PS, K, D], plus (k_scale, v_scale) [L, NP, PS, K] for int8."""
-    store, scale_bytes = kv_storage(kv_cache_dtype, dtype)
+    store, scale_bytes = kv_storage(kv_cache_dtype, dtype, platform)
     shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
     pages = (jnp.zeros(shape, store), jnp.zeros(shape, store))  # two buffers: the steps donate both
     return pages + ((jnp.ones(shape[:-1], SCALE_DTYPE), jnp.ones(shape[:-1], SCALE_DTYPE)) if scale_bytes else ())
@@ -152,17 +175,20 @@ def _to_fp8(x: jax.Array, dtype, scale) -> jax.Array:
 
 
 def write_kv(cache: jax.Array, layer: jax.Array, slot_mapping: jax.Array, new: jax.Array,
-             fp8_scale: jax.Array | float = 1.0) -> jax.Array:
+             fp8_scale: jax.Array | float = 1.0, bits: jnp.dtype | None = None) -> jax.Array:
     """Scatter this step's keys, values or their scales into one layer of the cache.
 
     cache [L, NP, PS, *E]; new [B, T, *E] (E = (K, D) for K/V, (K,) for scales); padding
     tokens carry a slot past the last page and are dropped, so they never touch a page that
-    some sequence owns. An fp8 cache stores new / fp8_scale.
+    some sequence owns. An fp8 cache stores new / fp8_scale, as float8 or, for uint8 pages, as
+    the bits of the float8 type `bits` (`fp8_bits`).
     """
     B, T = new.shape[:2]
     page_size = cache.shape[2]
     slots = slot_mapping.reshape(B * T)
-    if jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize == 1:
+    if cache.dtype == jnp.uint8:
+        new = jax.lax.bitcast_convert_type(_to_fp8(new, bits, fp8_scale), jnp.uint8)
+    elif jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize == 1:
         new = _to_fp8(new, cache.dtype, fp8_scale)
     return cache.at[layer, slots // page_size, slots % page_size].set(
         new.reshape(B * T, *new.shape[2:]).astype(cache.dtype), mode="drop")
@@ -182,9 +208,11 @@ def gather_kv(cache: jax.Array, layer: jax.Array, block_tables: jax.Array) -> ja
 
 
 def _read_kv(cache: jax.Array, scales: jax.Array | None, layer, block_tables, dtype,
-             fp8_scale: jax.Array | float = 1.0) -> jax.Array:
+             fp8_scale: jax.Array | float = 1.0, bits: jnp.dtype | None = None) -> jax.Array:
     """A layer's keys or values of each sequence [B, S, K, D] in `dtype`, dequantized."""
     x = gather_kv(cache, layer, block_tables)
+    if x.dtype == jnp.uint8:  # fp8 bits (`fp8_bits`)
+        x = jax.lax.bitcast_convert_type(x, bits)
     if scales is not None:
         return (x.astype(jnp.float32) * gather_kv(scales, layer, block_tables).astype(jnp.float32)[..., None]
                 ).astype(dtype)
@@ -265,8 +293,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata,
         scales = [write_kv(scales[0], layer, meta.slot_mapping, k_scale),
                   write_kv(scales[1], layer, meta.slot_mapping, v_scale)]
     ks, vs = meta.fp8_scales(layer) if rotated and not scales else (1.0, 1.0)  # fp8: per layer
-    k_cache = write_kv(k_cache, layer, meta.slot_mapping, k, ks)
-    v_cache = write_kv(v_cache, layer, meta.slot_mapping, v, vs)
+    k_cache = write_kv(k_cache, layer, meta.slot_mapping, k, ks, meta.fp8_bits)
+    v_cache = write_kv(v_cache, layer, meta.slot_mapping, v, vs, meta.fp8_bits)
     kv_cache = (k_cache, v_cache, *scales)
     out = attend_pages(q, kv_cache, meta, layer)
     return (rotate(out) if rotated else out), kv_cache  # H is symmetric and orthonormal: H H = I
@@ -290,8 +318,8 @@ def attend_pages(q: jax.Array, kv_cache: tuple[jax.Array, ...], meta: AttentionM
                                           meta.positions[:, 0], layer, meta.sliding_window)[:, None].astype(q.dtype)
     # XLA; also the "cpu" choice's prefill steps (T > 1)
     k_scales, v_scales = scales or (None, None)
-    keys = _read_kv(k_cache, k_scales, layer, meta.block_tables, q.dtype, ks)  # [B, S, K, D]
-    values = _read_kv(v_cache, v_scales, layer, meta.block_tables, q.dtype, vs)
+    keys = _read_kv(k_cache, k_scales, layer, meta.block_tables, q.dtype, ks, meta.fp8_bits)  # [B, S, K, D]
+    values = _read_kv(v_cache, v_scales, layer, meta.block_tables, q.dtype, vs, meta.fp8_bits)
     B, S = keys.shape[:2]
     k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (B, S))
     impl = attend_one if q.shape[1] == 1 else attend
@@ -319,6 +347,8 @@ def _pallas_attention(q, kv_cache, meta: AttentionMetadata, layer) -> jax.Array:
 
     k_cache, v_cache, *scales = kv_cache  # fp8 pages are read as they are (`attention` applies their scales)
     k_scales, v_scales = scales or (None, None)
+    if k_cache.dtype == jnp.uint8:  # fp8 bits: only a CPU keeps them (interpret mode, tests), at a copy per call
+        k_cache, v_cache = (jax.lax.bitcast_convert_type(c, meta.fp8_bits) for c in (k_cache, v_cache))
     if q.shape[1] == 1:
         out = paged_decode_attention(q[:, 0], k_cache, v_cache, meta.block_tables, meta.context_lens, layer,
                                      k_scales=k_scales, v_scales=v_scales, sliding_window=meta.sliding_window,
