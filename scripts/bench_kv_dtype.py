@@ -1,14 +1,14 @@
 #!/usr/bin/env python
-"""An int8 KV cache against the float cache, under KV memory pressure.
+"""Quantized KV caches against the float cache, under KV memory pressure.
 
-    python scripts/bench_kv_dtype.py [--kv-cache-memory 0.1] [--num-prompts 32]
+    python scripts/bench_kv_dtype.py [--kv-cache-memory 0.1] [--num-prompts 32] [--kv-cache-dtypes auto,int8]
 
 --num-prompts requests (prompts of --input-len tokens cut from the documentation corpus,
 --output-len tokens out, greedy, EOS ignored) are added at once to the offline engine with
 configs/server.toml's [engine] settings and a KV budget of --kv-cache-memory GiB, small
-enough that the float32 cache cannot hold them all and preempts (by recompute). Once with
-kv_cache_dtype = "auto" (float32) and once with "int8", one after the other in one process;
-prints the tokens each cache holds, preemptions, and output tok/s over the whole run.
+enough that the float32 cache cannot hold them all and preempts (by recompute). Once per
+kv_cache_dtype of --kv-cache-dtypes ("auto", the float32 cache, first), one after the other in
+one process; prints the tokens each cache holds, preemptions, and output tok/s over the whole run.
 Results: between the bench-kv-dtype markers of BENCHMARKS.md and benchmarks/kv_dtype.json.
 """
 
@@ -58,24 +58,29 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--kv-cache-dtypes", default="auto,int8", help="comma-separated; auto (float32) first")
     ap.add_argument("--out-dir", default="benchmarks")
     ap.add_argument("--markdown", default="BENCHMARKS.md")
     args = ap.parse_args()
+    kinds = args.kv_cache_dtypes.split(",")
+    if kinds[0] != "auto" or len(kinds) < 2:
+        ap.error("--kv-cache-dtypes: auto first, then at least one quantized cache")
     _, base = load_config_file(args.config)
     base = dataclasses.replace(base, kv_cache_memory_gib=args.kv_cache_memory, kv_cache_memory_fraction=None)
     tok = load_tokenizer(args.model)
     machine, t_all, results = describe(), time.monotonic(), {}
-    for kv in ("auto", "int8"):
+    for kv in kinds:
         eng = Engine(args.model, dataclasses.replace(base, kv_cache_dtype=kv))
         prompts = [eng.tokenizer.encode(p.prompt) for p in synthetic(tok, args.num_prompts, args.input_len,
                                                                        args.output_len, seed=0)]
         run(eng, prompts[:2], 16)  # warm
         results[kv] = run(eng, prompts, args.output_len)
         r = results[kv]
-        print(f"{kv:5s}: {r['kv_tokens']} KV tokens, {r['preemptions']} preemptions, {r['output_tok_s']:.1f} "
+        print(f"{kv:8s}: {r['kv_tokens']} KV tokens, {r['preemptions']} preemptions, {r['output_tok_s']:.1f} "
               f"output tok/s ({r['seconds']:.1f} s)", file=sys.stderr, flush=True)
         del eng
-    same = sum(a == b for a, b in zip(results["auto"]["outputs"], results["int8"]["outputs"]))
+    f = results["auto"]
+    same = {kv: sum(a == b for a, b in zip(f["outputs"], results[kv]["outputs"])) for kv in kinds[1:]}
     for r in results.values():
         del r["outputs"]
     wall = time.monotonic() - t_all
@@ -84,18 +89,20 @@ def main() -> int:
     out.mkdir(exist_ok=True)
     report.save_json(out / "kv_dtype.json", {"machine": machine, "results": results, "identical_outputs": same,
                                             "command": command})
-    f, q = results["auto"], results["int8"]
-    lines = [START, "", "## Quantized KV cache: int8 against float32 under KV pressure (issue 21)", "",
+    names = {"auto": "float32"}
+    title = f"## Quantized KV cache: {', '.join(kinds[1:])} against float32 under KV pressure (issue 21)"
+    lines = [START, "", title, "",
              f"One run of `{command}` on {time.strftime('%Y-%m-%d')}: {machine['cpu']}, {machine['cores']} cores "
              f"({wall / 60:.1f} min). Offline engine, configs/server.toml's [engine] (int8 weights) with a "
              f"{args.kv_cache_memory} GiB KV budget; {args.num_prompts} requests of {args.input_len} prompt tokens "
              f"and {args.output_len} out (greedy, EOS ignored) added at once.", "",
-             "| KV cache | tokens the budget holds | preemptions | output tok/s |", "| --- | ---: | ---: | ---: |",
-             f"| float32 | {f['kv_tokens']} | {f['preemptions']} | {f['output_tok_s']:.1f} |",
-             f"| int8 | {q['kv_tokens']} | {q['preemptions']} | {q['output_tok_s']:.1f} |", "",
-             f"int8 / float32: **{q['kv_tokens'] / f['kv_tokens']:.2f}x** the tokens, "
-             f"**{q['output_tok_s'] / f['output_tok_s']:.2f}x** the output tok/s; {same} of {args.num_prompts} "
-             "greedy outputs identical to the float cache's.", "", END]
+             "| KV cache | tokens the budget holds | preemptions | output tok/s |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {names.get(kv, kv)} | {r['kv_tokens']} | {r['preemptions']} | {r['output_tok_s']:.1f} |"
+              for kv, r in results.items()]
+    lines += [""] + [f"{kv} / float32: **{results[kv]['kv_tokens'] / f['kv_tokens']:.2f}x** the tokens, "
+                     f"**{results[kv]['output_tok_s'] / f['output_tok_s']:.2f}x** the output tok/s; {same[kv]} of "
+                     f"{args.num_prompts} greedy outputs identical to the float cache's." for kv in kinds[1:]]
+    lines += ["", END]
     write_benchmarks_md("\n".join(lines), Path(args.markdown), START, END)
     print(f"wrote {args.markdown} and {out}/kv_dtype.json in {wall / 60:.1f} min", file=sys.stderr)
     return 0
