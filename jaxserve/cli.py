@@ -114,14 +114,15 @@ def _cmd_generate_batch(args) -> int:
     return 0
 
 
-def _cmd_generate_parallel(args) -> int:
-    """One prompt through the engine split over --tensor-parallel-size devices (the plain path
-    below is the single-device reference forward)."""
+def _cmd_generate_engine(args) -> int:
+    """One prompt through the engine: split over --tensor-parallel-size devices, or over a
+    quantized --kv-cache-dtype (the plain path below is the single-device reference forward,
+    which keeps no paged cache to quantize)."""
     from jaxserve.engine.engine import LLM
     from jaxserve.engine.sequence import SamplingParams
 
     llm = LLM(args.model, **_generate_engine_options(args, max_num_seqs=1,
-                                                     tensor_parallel_size=args.tensor_parallel_size))
+                                                     tensor_parallel_size=args.tensor_parallel_size or 1))
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                                    seed=args.seed))
@@ -135,8 +136,8 @@ def _cmd_generate(args) -> int:
     if args.prompt is None:
         print("jaxserve generate: error: give a PROMPT or --prompts-file", file=sys.stderr)
         return 2
-    if (args.tensor_parallel_size or 1) > 1:
-        return _cmd_generate_parallel(args)
+    if (args.tensor_parallel_size or 1) > 1 or (args.kv_cache_dtype or "auto") != "auto":
+        return _cmd_generate_engine(args)
     from jaxserve.checkpoint.load import load_model
     from jaxserve.reference import ReferenceGenerator
     from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -274,7 +275,7 @@ def _cmd_bench(args) -> int:
 def _kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8_e4m3", "fp8_e5m2"),
                    help="KV cache storage: auto (the model's dtype), int8 (scale per token and KV head) or fp8 "
-                        "(--prompts-file and serve; default auto)")
+                        "(a scale per layer); default auto")
 
 
 def _tensor_parallel_argument(p: argparse.ArgumentParser) -> None:
@@ -329,8 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "runs them all through the batch engine and reports throughput")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-model-len", type=int,
-                   help="--prompts-file or --tensor-parallel-size: most tokens (prompt + output) of one request "
-                        "(default 2048); fewer context buckets to compile")
+                   help="through the engine (--prompts-file, --tensor-parallel-size, --kv-cache-dtype): most "
+                        "tokens (prompt + output) of one request (default 2048); fewer context buckets to compile")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="--prompts-file: reuse the KV pages of shared prompt prefixes (default: on)")
     _kv_cache_dtype_argument(g)

@@ -191,6 +191,31 @@ def test_fp8_pages_on_a_cpu_are_uint8_bits_that_no_step_widens(tiny_model_dir):
     assert swap.scheduler.preemptions["swap"] > 0
 
 
+def test_generate_with_a_quantized_kv_cache_runs_the_engine(tiny_model_dir):
+    """`jaxserve generate PROMPT --kv-cache-dtype fp8_e4m3` goes through the engine's fp8 pages (the
+    plain one-prompt path is the reference forward, with no paged cache: it used to ignore the
+    flag): its text is LLM.generate's with that cache, which on this random model differs from
+    the float cache's."""
+    import subprocess
+
+    from jaxserve.engine.engine import LLM
+
+    def cli(*flags):
+        proc = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--model", str(tiny_model_dir),
+                               "The sky is", "--max-tokens", "12", "--temperature", "0", "--max-model-len", "128",
+                               *flags],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    params = SamplingParams(max_tokens=12, temperature=0)
+    fp8, float_ = (LLM(tiny_model_dir, max_num_seqs=1, max_model_len=128, context_buckets=(128,), kv_cache_dtype=kv,
+                       warmup=False).generate(["The sky is"], params)[0].text for kv in ("fp8_e4m3", "auto"))
+    assert fp8 != float_
+    assert cli("--kv-cache-dtype", "fp8_e4m3") == fp8 + "\n"
+    assert cli() == float_ + "\n"
+
+
 def test_fp8_e4m3_pages_go_to_the_pallas_kernels_only_from_compute_capability_8_9():
     """Triton cannot convert float8 e4m3 on an A100 (sm_80: its compiler aborts, found by
     tests/test_gpu_aot.py's compiles), so the runner keeps such a cache on XLA attention there."""
