@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,14 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_kv_dtype import run  # noqa: E402
+from bench_kv_dtype import measure, workload_arguments  # noqa: E402
 
-from jaxserve.bench.dataset import load_tokenizer, synthetic  # noqa: E402
 from jaxserve.bench.machine import describe  # noqa: E402
-from jaxserve.config import load_config_file  # noqa: E402
-from jaxserve.default_model import DEFAULT_DIR  # noqa: E402
 from jaxserve.engine import runner  # noqa: E402
-from jaxserve.engine.engine import Engine  # noqa: E402
 from jaxserve.layers import attention  # noqa: E402
 
 
@@ -48,27 +43,14 @@ def float8_pages():
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(DEFAULT_DIR))
-    ap.add_argument("--config", default=str(ROOT / "configs/server.toml"))
-    ap.add_argument("--kv-cache-memory", type=float, default=0.04, metavar="GIB")
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=128)
+    workload_arguments(ap, kv_cache_memory=0.04, num_prompts=16)
     args = ap.parse_args()
-    _, base = load_config_file(args.config)
-    base = dataclasses.replace(base, kv_cache_memory_gib=args.kv_cache_memory, kv_cache_memory_fraction=None,
-                               kv_cache_dtype="fp8_e4m3")
-    tok = load_tokenizer(args.model)
     machine, results = describe(), {}
     for pages, ctx in (("uint8 bits", contextlib.nullcontext()), ("float8", float8_pages())):
         with ctx:
-            eng = Engine(args.model, base)
-            assert eng.runner.kv_cache[0].dtype.name == ("uint8" if pages == "uint8 bits" else "float8_e4m3fn")
-            prompts = [eng.tokenizer.encode(p.prompt) for p in synthetic(tok, args.num_prompts, args.input_len,
-                                                                           args.output_len, seed=0)]
-            run(eng, prompts[:2], 16)  # warm
-            results[pages] = r = run(eng, prompts, args.output_len)
-            del eng
+            store = attention.kv_storage("fp8_e4m3", "float32", "cpu")[0]  # what init_kv_cache allocates
+            assert store.name == ("uint8" if pages == "uint8 bits" else "float8_e4m3fn"), store
+            results[pages] = r = measure(args, "fp8_e4m3")
         print(f"fp8_e4m3 pages as {pages}: {r['kv_tokens']} KV tokens, {r['preemptions']} preemptions, "
               f"{r['output_tok_s']:.1f} output tok/s ({r['seconds']:.1f} s)", flush=True)
     new, old = results["uint8 bits"], results["float8"]

@@ -50,14 +50,31 @@ def run(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
             "outputs": [s.output_ids for s in seqs]}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_arguments(ap: argparse.ArgumentParser, kv_cache_memory: float, num_prompts: int) -> None:
+    """The workload's flags (also scripts/bench_fp8_pages.py's)."""
     ap.add_argument("--model", default=str(DEFAULT_DIR))
     ap.add_argument("--config", default=str(ROOT / "configs/server.toml"))
-    ap.add_argument("--kv-cache-memory", type=float, default=0.1, metavar="GIB")
-    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--kv-cache-memory", type=float, default=kv_cache_memory, metavar="GIB")
+    ap.add_argument("--num-prompts", type=int, default=num_prompts)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
+
+
+def measure(args, kv_cache_dtype: str) -> dict:
+    """`run` of the workload on a fresh engine with this cache (after two short warm requests)."""
+    _, base = load_config_file(args.config)
+    base = dataclasses.replace(base, kv_cache_memory_gib=args.kv_cache_memory, kv_cache_memory_fraction=None,
+                               kv_cache_dtype=kv_cache_dtype)
+    eng = Engine(args.model, base)
+    prompts = [eng.tokenizer.encode(p.prompt) for p in synthetic(load_tokenizer(args.model), args.num_prompts,
+                                                                   args.input_len, args.output_len, seed=0)]
+    run(eng, prompts[:2], 16)  # warm
+    return run(eng, prompts, args.output_len)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    workload_arguments(ap, kv_cache_memory=0.1, num_prompts=32)
     ap.add_argument("--kv-cache-dtypes", default="auto,int8", help="comma-separated; auto (float32) first")
     ap.add_argument("--out-dir", default="benchmarks")
     ap.add_argument("--markdown", default="BENCHMARKS.md")
@@ -65,20 +82,11 @@ def main() -> int:
     kinds = args.kv_cache_dtypes.split(",")
     if kinds[0] != "auto" or len(kinds) < 2:
         ap.error("--kv-cache-dtypes: auto first, then at least one quantized cache")
-    _, base = load_config_file(args.config)
-    base = dataclasses.replace(base, kv_cache_memory_gib=args.kv_cache_memory, kv_cache_memory_fraction=None)
-    tok = load_tokenizer(args.model)
     machine, t_all, results = describe(), time.monotonic(), {}
     for kv in kinds:
-        eng = Engine(args.model, dataclasses.replace(base, kv_cache_dtype=kv))
-        prompts = [eng.tokenizer.encode(p.prompt) for p in synthetic(tok, args.num_prompts, args.input_len,
-                                                                       args.output_len, seed=0)]
-        run(eng, prompts[:2], 16)  # warm
-        results[kv] = run(eng, prompts, args.output_len)
-        r = results[kv]
+        results[kv] = r = measure(args, kv)
         print(f"{kv:8s}: {r['kv_tokens']} KV tokens, {r['preemptions']} preemptions, {r['output_tok_s']:.1f} "
               f"output tok/s ({r['seconds']:.1f} s)", file=sys.stderr, flush=True)
-        del eng
     f = results["auto"]
     same = {kv: sum(a == b for a, b in zip(f["outputs"], results[kv]["outputs"])) for kv in kinds[1:]}
     for r in results.values():
