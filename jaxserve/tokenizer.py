@@ -128,9 +128,35 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def continue_final_message(self, messages: list[dict], **kwargs) -> str:
+        """The conversation rendered so that the model goes on with the last message's text
+        (vLLM's and transformers' `continue_final_message`): rendered without a generation
+        prompt and cut right after that text, so the template's end-of-turn marker is gone.
+        Whitespace the template trimmed off the text's end stays trimmed; an empty last
+        message continues from where its text would begin."""
+        content = messages[-1]["content"]
+        if not content.strip():
+            role = messages[-1]["role"]
+            if role != "assistant":
+                raise ChatTemplateError(f"cannot continue an empty final {role} message")
+            return self.apply_chat_template(messages[:-1], add_generation_prompt=True, **kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
+        at = text.rfind(content.strip())
+        if at < 0:
+            raise ChatTemplateError("the chat template does not render the final message's text as it is, "
+                                    "so the model cannot continue it")
+        kept = content.lstrip() if text.startswith(content.lstrip(), at) else content.strip()
+        return text[:at + len(kept)]
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """Ids of the rendered conversation; special tokens come from the template text itself."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        kwargs = template_kwargs or {}
+        if continue_final_message:
+            text = self.continue_final_message(messages, **kwargs)
+        else:
+            text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

@@ -286,6 +286,17 @@ BAD = [
     ("tools", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tools"),
     ("functions", CHAT, _chat(functions=[{"name": "f", "parameters": {"type": "object"}}]), {}, 400, "functions"),
     ("cache-salt-empty", CHAT, _chat(cache_salt=""), {}, 400, "cache_salt"),
+    ("continue-with-generation-prompt", CHAT, _chat(messages=[*Q, {"role": "assistant", "content": "It"}],
+                                                     continue_final_message=True), {}, 400, "add_generation_prompt"),
+    ("continue-an-empty-user-message", CHAT, _chat(messages=[{"role": "user", "content": ""}],
+                                                   continue_final_message=True, add_generation_prompt=False), {}, 400,
+     "messages"),
+    ("chat-template-kwargs-list", CHAT, _chat(chat_template_kwargs=["x"]), {}, 400, "chat_template_kwargs"),
+    ("chat-template-kwargs-messages", CHAT, _chat(chat_template_kwargs={"messages": []}), {}, 400,
+     "chat_template_kwargs"),
+    ("suffix", COMPLETIONS, _completion(suffix=" end."), {}, 400, "suffix"),
+    ("best-of-above-n", COMPLETIONS, _completion(best_of=3), {}, 400, "best_of"),
+    ("echo-string", COMPLETIONS, _completion(echo="yes"), {}, 400, "echo"),
     ("model-not-string", CHAT, _chat(model=5), {}, 400, "model"),
     ("model-unknown", CHAT, _chat(model="gpt-9"), {}, 404, "model"),
     ("messages-missing", CHAT, {"max_tokens": 4}, {}, 400, "messages"),
@@ -317,6 +328,7 @@ BAD = [
     ("tool-message-with-call-id", CHAT, _chat(messages=[*Q, {"role": "tool", "content": "42", "tool_call_id": "c1"}]),
      {}, 200, None),
     ("unknown-fields-ignored", CHAT, _chat(frobnicate=True, user=MARKER), {}, 200, None),
+    ("best-of-equal-to-n-and-empty-suffix", COMPLETIONS, _completion(best_of=1, suffix=""), {}, 200, None),
 ]
 
 

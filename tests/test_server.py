@@ -392,6 +392,37 @@ def test_logit_bias_bans_and_forces_tokens(client, model, tok):
     assert forced.choices[0].message.content == tok.decode([banana] * 3)
 
 
+def test_continue_final_message_and_echo(client, model, tok):
+    """A chat whose last assistant message is continued is the completion of the template's
+    text cut after that message; an echoed completion is its prompt followed by the plain
+    completion's text, whole and streamed, for text and token-id prompts."""
+    begun = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    cont = chat(client, model, begun, max_tokens=8, temperature=0,
+                extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    text = tok.continue_final_message(begun)
+    assert text.endswith("The capital of France is")
+    same = client.completions.create(model=model, prompt=tok.encode(text, add_special_tokens=False), max_tokens=8,
+                                     temperature=0)
+    assert cont.choices[0].message.content == same.choices[0].text
+    assert cont.usage.prompt_tokens == same.usage.prompt_tokens
+    fresh = chat(client, model, begun, max_tokens=8, temperature=0)  # a new assistant turn after it
+    assert fresh.usage.prompt_tokens > cont.usage.prompt_tokens
+
+    prompt = "The three primary colors are"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+    for sent in (prompt, tok.encode(prompt)):
+        echoed = client.completions.create(model=model, prompt=sent, max_tokens=6, temperature=0, echo=True)
+        assert echoed.choices[0].text == prompt + plain
+        assert echoed.usage.completion_tokens == 6
+    stream = client.completions.create(model=model, prompt=[prompt, prompt], max_tokens=6, temperature=0, echo=True,
+                                       stream=True)
+    texts = {0: "", 1: ""}
+    for c in stream:
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+    assert texts == {0: prompt + plain, 1: prompt + plain}
+
+
 def test_stop_token_ids_and_skip_special_tokens(client, model, tok):
     """vLLM's extensions. The greedy next token t of the prompt as a stop token id ends the answer
     at once (finish_reason "stop", the stop token not shown). <|im_start|> forced by logit_bias

@@ -106,3 +106,31 @@ def test_detokenizer_holds_back_partial_characters(default_model):
     assert len(ids) > 1
     detok = IncrementalDetokenizer(tok)
     assert [detok.add([i]) for i in ids] == [""] * (len(ids) - 1) + ["東"]
+
+
+CONTINUED = [
+    [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "  The answer: 4, and  "}],
+]
+
+
+@pytest.mark.parametrize("template", ["model", "llama3", "tojson"])
+def test_continue_final_message_matches_transformers(default_model_dir, tmp_path, template):
+    """The last message is left open (no end-of-turn after it) exactly as transformers'
+    `continue_final_message` renders it, trimmed spaces and all; an empty last assistant
+    message continues from the assistant header."""
+    from transformers import AutoTokenizer
+
+    d = default_model_dir if template == "model" else _with_template(
+        default_model_dir, tmp_path, LLAMA3_STYLE if template == "llama3" else TOJSON_STYLE)
+    ours, hf = Tokenizer(d), AutoTokenizer.from_pretrained(str(d))
+    for conv in CONTINUED:
+        expected = hf.apply_chat_template(conv, tokenize=False, continue_final_message=True)
+        assert ours.continue_final_message(conv) == expected
+        assert ours.encode_chat(conv, False, continue_final_message=True) == \
+            hf(expected, add_special_tokens=False)["input_ids"]
+    empty = [CONTINUED[0][0], {"role": "assistant", "content": ""}]
+    assert ours.continue_final_message(empty) == ours.apply_chat_template(empty[:1], add_generation_prompt=True)
+    with pytest.raises(ChatTemplateError, match="empty final user"):
+        ours.continue_final_message([{"role": "user", "content": " "}])

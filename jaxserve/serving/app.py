@@ -185,7 +185,9 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
     limits, tok = served.limits, served.tokenizer
     if req.chat:
         try:
-            prompts = [tok.encode_chat(req.messages)]
+            t = req.chat_template or P.ChatTemplateOptions()
+            prompts = [tok.encode_chat(req.messages, t.add_generation_prompt,
+                                       continue_final_message=t.continue_final_message, template_kwargs=t.kwargs)]
         except ChatTemplateError as e:
             raise P.bad(str(e), param="messages", code="invalid_messages") from None
     else:
@@ -246,6 +248,9 @@ class Responder:
         self.prompt_tokens = sum(prompt_lens)
         tok = served.tokenizer
         self.fmt = P.LogprobFormatter(lambda i: tok.decode([i], skip_special_tokens=False))
+        # completions' echo: each prompt's text, as sent (token ids: decoded), before its choices' text
+        self.echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)
+                     for p in req.prompts] if req.echo else None
         self.created = int(time.time())
 
     async def _events(self, choices: list[Choice]) -> AsyncIterator[tuple[int, TokenEvent | Exception]]:
@@ -332,6 +337,9 @@ class Responder:
         if self.req.chat:
             for c in choices:
                 yield self._sse(self._chunk([P.chat_delta(c.index, {"role": "assistant", "content": ""})]))
+        elif self.echo is not None:
+            for c in choices:
+                yield self._sse(self._chunk([self._piece(c.index, self.echo[c.prompt_index], None, None)]))
         async for index, item in self._events(choices):
             err = _error_of(item)
             if err is not None:
@@ -356,7 +364,7 @@ class Responder:
         return {"data": json.dumps(obj, ensure_ascii=False)}
 
     async def whole(self, choices: list[Choice]) -> dict:
-        results = {c.index: ChoiceResult() for c in choices}
+        results = {c.index: ChoiceResult(text=self.echo[c.prompt_index] if self.echo else "") for c in choices}
         async for index, item in self._events(choices):
             err = _error_of(item)
             if err is not None:

@@ -93,6 +93,11 @@ _CHAT_REQUEST = {
         "max_completion_tokens": _SAMPLING["max_tokens"],
         "logprobs": {"type": "boolean"},
         "top_logprobs": _num(0, SamplingParams.MAX_LOGPROBS, integer=True, doc="needs logprobs: true"),
+        "add_generation_prompt": {"type": "boolean", "description": "default true: the template's assistant "
+                                  "header after the messages"},
+        "continue_final_message": {"type": "boolean", "description": "go on with the last (assistant) message's "
+                                   "text; needs add_generation_prompt: false"},
+        "chat_template_kwargs": {"type": "object", "description": "extra variables for the chat template"},
         **_SAMPLING,
     },
     "required": ["messages"],
@@ -106,6 +111,11 @@ _COMPLETION_REQUEST = {
                              _TOKEN_IDS,
                              {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]},
         "logprobs": _num(0, SamplingParams.MAX_LOGPROBS, integer=True),
+        "echo": {"type": "boolean", "description": "the text starts with the prompt's; not with logprobs "
+                 "(prompt logprobs are not computed: 400)"},
+        "suffix": {"type": "string", "maxLength": 0, "description": "fill in the middle is not supported: "
+                   "a non-empty suffix is a 400"},
+        "best_of": _num(1, INT32_MAX, integer=True, doc="only equal to n (every choice is returned)"),
         **_SAMPLING,
     },
     "required": ["prompt"],

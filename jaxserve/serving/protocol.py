@@ -273,6 +273,17 @@ def _prompts(body: dict) -> list[str | list[int]]:
 
 # The parsed request --------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class ChatTemplateOptions:
+    """vLLM's chat request fields that shape the rendered prompt: a generation prompt after the
+    messages (the default), or the last message continued as it stands (an assistant reply
+    begun by the client); `kwargs` are handed to the template (e.g. a flag it reads)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
     """A validated chat or completion request; `max_tokens` None means "up to the context length"."""
@@ -292,11 +303,52 @@ class GenerationRequest:
     priority: int | str | None = None  # lower is more urgent (vLLM); a class name is resolved by the app
     timeout: float | None = None  # seconds from arrival; past it the request is ended
     cache_salt: str | None = None  # vLLM's field: requests with different salts share no cached KV page
+    chat_template: ChatTemplateOptions | None = None  # chat: how the conversation becomes the prompt
+    echo: bool = False  # completions: the answer's text starts with its prompt's
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """Choice i of n draws with seed + i, so n seeded choices differ yet each is reproducible."""
         seed = None if self.seed is None else (self.seed + choice) & 0xFFFFFFFF
         return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=self.logprobs, **self.sampling)
+
+
+_TEMPLATE_OWN_NAMES = ("messages", "add_generation_prompt")
+
+
+def _chat_template_options(body: dict, messages: list[dict]) -> ChatTemplateOptions:
+    add = _field(body, "add_generation_prompt", bool, True)
+    cont = _field(body, "continue_final_message", bool, False)
+    if add and cont:
+        raise bad("'continue_final_message' continues the last message, so 'add_generation_prompt' must be "
+                  "false with it", param="add_generation_prompt", code="invalid_value")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise bad("'chat_template_kwargs' must be an object", param="chat_template_kwargs", code="invalid_type")
+    clash = [k for k in _TEMPLATE_OWN_NAMES if k in kwargs]
+    if clash:
+        raise bad(f"'chat_template_kwargs' must not set {clash[0]!r}: it is the request's own field",
+                  param="chat_template_kwargs", code="invalid_value")
+    return ChatTemplateOptions(add, cont, kwargs)
+
+
+def _completion_only_features(body: dict, n: int, logprobs: int | None) -> bool:
+    """`echo` (answered); `suffix` and `best_of` past n, and echo's prompt logprobs, are 400s:
+    this server does not fill in the middle, rank candidates or score prompts."""
+    echo = _field(body, "echo", bool, False)
+    if echo and logprobs is not None:
+        raise bad("'echo' with 'logprobs' asks for the prompt's logprobs, which this server does not compute; "
+                  "leave out one of them", param="echo", code="unsupported_value")
+    suffix = _field(body, "suffix", str, None)
+    if suffix:
+        raise bad("'suffix' (fill in the middle) is not supported by this server", param="suffix",
+                  code="unsupported_value")
+    best_of = _field(body, "best_of", int, None, lo=1, hi=2**31 - 1)
+    if best_of is not None and best_of != n:
+        raise bad(f"'best_of' other than n is not supported by this server (best_of {best_of}, n {n}): it "
+                  "returns every choice it generates", param="best_of", code="unsupported_value")
+    return echo
 
 
 def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest:
@@ -339,6 +391,8 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
         speculative=_field(body, "speculative", bool, True),
     )
     _unsupported_features(body)
+    template = _chat_template_options(body, messages) if chat else None
+    echo = False if chat else _completion_only_features(body, n, logprobs)
     seed = _field(body, "seed", int, None, lo=-(2**63), hi=2**64 - 1)
     user = body.get("user") if isinstance(body.get("user"), str) else None
     return GenerationRequest(chat=chat, model=model, messages=messages, prompts=prompts, stream=stream,
@@ -346,7 +400,7 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
                              sampling=sampling, seed=seed, user=user,
                              priority=_priority(body),
                              timeout=_field(body, "timeout", float, None, lo=0, lo_open=True),
-                             cache_salt=_cache_salt(body))
+                             cache_salt=_cache_salt(body), chat_template=template, echo=echo)
 
 
 def _cache_salt(body: dict) -> str | None:
