@@ -229,6 +229,7 @@ BAD = [
     ("megabyte-header", COMPLETIONS, _completion(), {"X-Padding": "x" * 2**20}, 431, None),
     ("max-tokens-zero", CHAT, _chat(max_tokens=0), {}, 400, "max_tokens"),
     ("max-tokens-negative", CHAT, _chat(max_tokens=-1), {}, 400, "max_tokens"),
+    ("completion-max-tokens-zero-without-echo", COMPLETIONS, _completion(max_tokens=0), {}, 400, "max_tokens"),
     ("max-tokens-trillion", CHAT, _chat(max_tokens=10**12), {}, 400, "max_tokens"),
     ("max-tokens-past-context", COMPLETIONS, _completion(max_tokens=512), {}, 400, "max_tokens"),
     ("max-tokens-over-server-cap", COMPLETIONS, _completion(max_tokens=100), {}, 400, "max_tokens"),
@@ -329,6 +330,7 @@ BAD = [
      {}, 200, None),
     ("unknown-fields-ignored", CHAT, _chat(frobnicate=True, user=MARKER), {}, 200, None),
     ("best-of-equal-to-n-and-empty-suffix", COMPLETIONS, _completion(best_of=1, suffix=""), {}, 200, None),
+    ("echo-with-logprobs", COMPLETIONS, _completion(max_tokens=1, echo=True, logprobs=1), {}, 200, None),
 ]
 
 

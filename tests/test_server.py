@@ -423,6 +423,42 @@ def test_continue_final_message_and_echo(client, model, tok):
     assert texts == {0: prompt + plain, 1: prompt + plain}
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, model, tok):
+    """How evaluation harnesses score text: echo, logprobs and max_tokens 0. Every prompt token
+    but the first has its logprob; the last one's equals the logprob of the same token
+    generated after the rest of the prompt; with max_tokens 2 the generated tokens follow,
+    and streamed the same lists arrive in pieces."""
+    prompt = "The capital of France is Paris"
+    head = client.completions.create(model=model, prompt=prompt[:-len(" Paris")], max_tokens=1, temperature=0,
+                                     logprobs=1)
+    assert head.choices[0].text == " Paris"
+    scored = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    c = scored.choices[0]
+    lp = c.logprobs
+    ids = tok.encode(prompt)
+    assert c.text == prompt and c.finish_reason == "length"
+    assert scored.usage.prompt_tokens == len(ids) and scored.usage.completion_tokens == 0
+    assert "".join(lp.tokens) == prompt and len(lp.token_logprobs) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x < 0 for x in lp.token_logprobs[1:])
+    assert lp.token_logprobs[-1] == pytest.approx(head.choices[0].logprobs.token_logprobs[0], abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+
+    more = client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0, echo=True, logprobs=1)
+    m = more.choices[0].logprobs
+    assert m.tokens[:len(ids)] == lp.tokens and m.token_logprobs[:len(ids)] == lp.token_logprobs
+    assert more.choices[0].text == prompt + "".join(m.tokens[len(ids):]) and len(m.tokens) == len(ids) + 2
+    streamed = {"text": "", "tokens": [], "token_logprobs": []}
+    for chunk in client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0, echo=True,
+                                           logprobs=1, stream=True):
+        for ch in chunk.choices:
+            streamed["text"] += ch.text
+            if ch.logprobs:
+                streamed["tokens"] += ch.logprobs.tokens
+                streamed["token_logprobs"] += ch.logprobs.token_logprobs
+    assert streamed == {"text": more.choices[0].text, "tokens": m.tokens, "token_logprobs": m.token_logprobs}
+
+
 def test_stop_token_ids_and_skip_special_tokens(client, model, tok):
     """vLLM's extensions. The greedy next token t of the prompt as a stop token id ends the answer
     at once (finish_reason "stop", the stop token not shown). <|im_start|> forced by logit_bias

@@ -421,6 +421,8 @@ class Engine:
             seq = it.seq
             if seq.is_finished:  # aborted, or finished in the call before this chained one
                 continue
+            if result.scores is not None and seq.logits_needed_from is not None:
+                self._score_prompt(seq, it, result.scores, i)
             if not it.samples:  # a prompt chunk short of the prompt's end
                 seq.num_computed = it.start + it.length
                 if self.cache is not None:
@@ -447,6 +449,19 @@ class Engine:
                 self._seqs.pop(seq.request_id, None)
                 events.append(self._event(seq, [], "", None, error=f"{type(e).__name__}: {e}"))
         return events
+
+    @staticmethod
+    def _score_prompt(seq: Sequence, it: ScheduledItem, scores, i: int) -> None:
+        """Record the prompt logprobs of the positions row i of a scored prefill fed that the
+        sequence has no record for yet: position p's scores are prompt token p + 1's."""
+        n = seq.params.prompt_logprobs
+        assert it.start <= seq.logits_needed_from, "a scored prefill began past the first position it must score"
+        end = min(it.start + it.length, len(seq.prompt_ids) - 1)
+        for p in range(seq.logits_needed_from, end):
+            t = p - it.start
+            top = [(int(a), float(b)) for a, b in zip(scores.top_ids[i, t, :n], scores.top_logprobs[i, t, :n])]
+            seq.prompt_logprobs.append({"token_id": seq.prompt_ids[p + 1], "logprob": float(scores.logprobs[i, t]),
+                                        "top": top})
 
     def _logprobs(self, seq: Sequence, result: StepResult, i: int, j: int) -> dict:
         n = seq.params.logprobs
@@ -493,9 +508,12 @@ class Engine:
         done = seq.is_finished
         if done and self.metrics is not None:  # every way a request ends comes through here
             self.metrics.finished(seq, time.monotonic())
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent and seq.logits_needed_from is None:
+            prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         return TokenEvent(request_id=seq.request_id, token_ids=token_ids, text=text,
                           finished=done, finish_reason=seq.finish_reason if done else reason,
-                          logprobs=logprobs, prompt_tokens=len(seq.prompt_ids),
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs, prompt_tokens=len(seq.prompt_ids),
                           completion_tokens=len(seq.output_ids), cached_tokens=seq.cached_tokens or 0, error=error,
                           scheduled_at=seq.scheduled_at if done else None,
                           preempted_at=tuple(seq.preempted_at) if done else ())
@@ -517,6 +535,7 @@ class Completion:
     text: str
     finish_reason: str | None
     logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict] | None = None  # prompt tokens 1.. (SamplingParams.prompt_logprobs)
 
 
 class LLM:
@@ -543,7 +562,8 @@ class LLM:
                 logprobs[ev.request_id].extend(ev.logprobs)
         return [Completion(request_id=s.request_id, prompt_token_ids=s.prompt_ids, token_ids=s.output_ids,
                            text=s.output_text, finish_reason=s.finish_reason,
-                           logprobs=logprobs[s.request_id] if s.params.logprobs is not None else None)
+                           logprobs=logprobs[s.request_id] if s.params.logprobs is not None else None,
+                           prompt_logprobs=s.prompt_logprobs)
                 for s in seqs]
 
 

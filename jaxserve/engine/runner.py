@@ -48,7 +48,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.sampler import (NUM_TOP_LOGPROBS, SampleOutput, SamplingArrays, gumbel_noise, probabilities,
-                                     sample, uniform_noise)
+                                     sample, token_logprobs, uniform_noise)
 from jaxserve.engine.sequence import SamplingParams, Sequence
 from jaxserve.engine.speculative import ACCEPT_STREAM, accept_drafts, accepted_lengths
 from jaxserve.layers import cpu_attention, parallel
@@ -93,16 +93,37 @@ class ScheduledItem:
         return self.start + self.length == self.seq.num_tokens
 
 
+@struct.dataclass
+class PromptScores:
+    """A scored prefill's per-position outputs: at position t of row b, the raw log-probability
+    of the token after it (`targets[b, t]`) and the 20 most likely tokens there."""
+
+    logprobs: jax.Array  # [B, T] f32
+    top_ids: jax.Array  # [B, T, 20] i32
+    top_logprobs: jax.Array  # [B, T, 20] f32
+
+
+SCORE_ROWS = 256  # a scored prefill computes the logits of this many positions at a time ([256, V])
+
+
+def needs_scores(it: ScheduledItem) -> bool:
+    """The item feeds prompt positions whose logprobs its request asked for and has not got."""
+    start = it.seq.logits_needed_from
+    return start is not None and it.start + it.length > start
+
+
 @dataclasses.dataclass
 class StepResult:
     """k sampled tokens per item: a prefill step has k = 1 (meaningful where item.samples);
-    of a k-step decode call, item i's first `valid[i]` are real (its pages held them)."""
+    of a k-step decode call, item i's first `valid[i]` are real (its pages held them).
+    A scored prefill (prompt logprobs) adds `scores`, PromptScores' arrays cut to [n, T, ...]."""
 
     tokens: np.ndarray  # [n, k] sampled ids
     logprobs: np.ndarray  # [n, k]
     top_ids: np.ndarray  # [n, k, 20]
     top_logprobs: np.ndarray  # [n, k, 20]
     valid: np.ndarray  # [n] i32
+    scores: PromptScores | None = None
 
 
 class Launched:
@@ -112,13 +133,14 @@ class Launched:
 
     def __init__(self, items: list[ScheduledItem], decode: bool, k: int, out: SampleOutput,
                  valid: np.ndarray | None, chain_tokens: jax.Array | None, drafts: np.ndarray | None = None,
-                 num_drafts: np.ndarray | None = None):
+                 num_drafts: np.ndarray | None = None, scores: PromptScores | None = None):
         self.items, self.decode, self.k = items, decode, k
         self._out, self.valid = out, valid
+        self._scores = scores
         self.drafts, self.num_drafts = drafts, num_drafts
         self.chain_tokens = chain_tokens  # [k, R] device tokens a next call may chain on (decode only)
         self.rows = {id(it.seq): i for i, it in enumerate(items)}
-        for leaf in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs):
+        for leaf in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs, *jax.tree.leaves(scores)):
             leaf.copy_to_host_async()
         self._result: StepResult | None = None
 
@@ -133,9 +155,10 @@ class Launched:
             tokens = take(o.tokens)
             if self.drafts is not None:
                 self.valid = accepted_lengths(tokens, self.drafts, self.num_drafts)
+            scores = None if self._scores is None else jax.tree.map(lambda a: np.asarray(a)[:n], self._scores)
             self._result = StepResult(tokens=tokens, logprobs=take(o.logprobs), top_ids=take(o.top_ids),
-                                      top_logprobs=take(o.top_logprobs), valid=self.valid)
-            self._out = None
+                                      top_logprobs=take(o.top_logprobs), valid=self.valid, scores=scores)
+            self._out = self._scores = None
         return self._result
 
 
@@ -249,6 +272,9 @@ class ModelRunner:
         self._jitted = self._jit(self._step)
         self._jitted_decode = self._jit(self._decode_step)
         self._jitted_verify = self._jit(self._verify_step)
+        self._jitted_scored = self._jit(self._scored_step)
+        # Scored prefills (prompt logprobs, rare) are compiled when first asked for, not at warm-up.
+        self._scored_executables: dict[tuple[int, int, int], object] = {}
         spec = cfg.speculative
         # Verify calls feed k + 1 tokens per row, for the batch sizes speculation runs at.
         self.verify_width = spec.num_speculative_tokens + 1 if spec.enabled else 0
@@ -306,6 +332,26 @@ class ModelRunner:
             logits = self._logits(params, last)  # [B, V]
         with jax.named_scope("sample"):
             return sample(logits, sampling), kv_cache
+
+    def _scored_step(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays, targets: jax.Array):
+        """A prefill step that also scores every position: targets [B, T] are the tokens that
+        follow each fed one (prompt logprobs). Returns ((SampleOutput, PromptScores), cache).
+        The logits of all B * T positions are computed SCORE_ROWS at a time, so a [4, 512]
+        prefill holds [256, V] of them at once rather than [2048, V]."""
+        meta = self._meta(inp)
+        with jax.named_scope("model"):
+            hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, inp.tokens, meta, kv_cache)
+            B, T, D = hidden.shape
+            logits = self._logits(params, hidden[jnp.arange(B), inp.last_index])  # [B, V]
+        with jax.named_scope("sample"):
+            out = sample(logits, sampling)
+        with jax.named_scope("score"):
+            rows = max(c for c in range(1, min(B * T, SCORE_ROWS) + 1) if B * T % c == 0)
+            chunks = (hidden.reshape(B * T // rows, rows, D), targets.reshape(B * T // rows, rows))
+            chosen, top_lp, top_ids = jax.lax.map(lambda c: token_logprobs(self._logits(params, c[0]), c[1]), chunks)
+            scores = PromptScores(logprobs=chosen.reshape(B, T), top_ids=top_ids.reshape(B, T, -1),
+                                  top_logprobs=top_lp.reshape(B, T, -1))
+        return (out, scores), kv_cache
 
     def _verify_step(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays, draft_probs=None):
         """Speculative verification: feed [B, T] tokens (each row's last token, then its drafts)
@@ -550,15 +596,38 @@ class ModelRunner:
         with jax.profiler.TraceAnnotation("jaxserve.decode" if decode else "jaxserve.prefill", seqs=len(items)):
             if decode:
                 return self._launch_decode(items, k, chain)
-            return self._launch_prefill(items)
+            return self._launch_prefill(items, score=any(needs_scores(it) for it in items))
 
-    def _launch_prefill(self, items: list[ScheduledItem]) -> Launched:
+    def _launch_prefill(self, items: list[ScheduledItem], score: bool = False) -> Launched:
+        """A prefill call; `score`: the scored step, whose Launched carries each position's
+        logprob of the token after it (prompt logprobs)."""
         B = _bucket(len(items), self.prefill_batches)
         T = _bucket(max(it.length for it in items), self.prefill_lengths)
         P = _bucket(max(-(-(it.start + it.length) // self.page_size) for it in items), self.prefill_page_buckets(T))
         inp, samp = self._host_arrays(items, B, T, P)
+        valid = np.ones(len(items), np.int32)
+        if score:
+            targets = np.zeros((B, T), np.int32)
+            for i, it in enumerate(items):
+                nxt = it.seq.tokens[it.start + 1:it.start + it.length + 1]
+                targets[i, :len(nxt)] = nxt
+            (out, scores), self.kv_cache = self.scored_executable((B, T, P))(self.params, self.kv_cache, inp, samp,
+                                                                             targets)
+            return Launched(items, False, 1, out, valid, None, scores=scores)
         out, self.kv_cache = self.executable((B, T, P))(self.params, self.kv_cache, inp, samp)
-        return Launched(items, False, 1, out, np.ones(len(items), np.int32), None)
+        return Launched(items, False, 1, out, valid, None)
+
+    def scored_executable(self, key: tuple[int, int, int]):
+        """The scored prefill of bucket `key`, compiled on first use (a few seconds, once per
+        bucket; the persistent compilation cache keeps it for the next start)."""
+        exe = self._scored_executables.get(key)
+        if exe is None:
+            t0 = time.perf_counter()
+            args = self._abstract_args(*key) + (self._sds(key[:2], jnp.int32),)
+            exe = self._scored_executables[key] = self._jitted_scored.lower(*args).compile()
+            log.info("compiled %s with prompt logprobs in %.2fs (first request that asked)", self._label(key),
+                     time.perf_counter() - t0)
+        return exe
 
     def _launch_decode(self, items: list[ScheduledItem], k: int, chain: Launched | None) -> Launched:
         """Row i feeds position items[i].start (its token: the host's, or the chained call's

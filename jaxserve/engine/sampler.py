@@ -302,11 +302,11 @@ def _full_sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     greedy = argmax(logits)
     tokens = jax.lax.cond((s.temperature > 0).any(), _sampled_tokens, lambda x, _, g: g, logits, s, greedy)
     tokens = tokens.astype(jnp.int32)
-    chosen, top_lp, top_ids = jax.lax.cond(s.logprobs.any(), _logprobs, _no_logprobs, raw, tokens)
+    chosen, top_lp, top_ids = jax.lax.cond(s.logprobs.any(), token_logprobs, _no_logprobs, raw, tokens)
     return SampleOutput(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
 
 
-def _logprobs(logits: jax.Array, tokens: jax.Array):
+def token_logprobs(logits: jax.Array, tokens: jax.Array):
     """Raw log-probabilities of the chosen tokens [B] and the top alternatives [B, N] (values, ids)."""
     raw = jax.nn.log_softmax(logits, axis=-1)
     top_lp, top_ids = top_k(raw, min(NUM_TOP_LOGPROBS, raw.shape[-1]))

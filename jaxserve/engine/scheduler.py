@@ -283,8 +283,9 @@ class Scheduler:
             else:
                 if blocked:
                     continue
-                hit = cache.match(seq) if cache is not None else []
-                if cache is not None and cache.waits(seq, len(hit), pending):
+                scored_from = seq.logits_needed_from  # prompt logprobs: no cached page past it
+                hit = cache.match(seq, scored_from) if cache is not None else []
+                if cache is not None and scored_from is None and cache.waits(seq, len(hit), pending):
                     continue  # its next page is being computed now: it shares that page a step later
                 start = len(hit) * self.pool.page_size
                 length = min(seq.num_tokens - start, cfg.max_prefill_chunk)

@@ -38,6 +38,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: plus the n most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (scoring)
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()
     speculative: bool = True  # may this request's tokens be proposed and verified (when the engine speculates)
@@ -67,6 +68,8 @@ class SamplingParams:
              f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
              f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (len(self.logit_bias) <= self.MAX_LOGIT_BIAS,
              f"logit_bias takes at most {self.MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"),
             (all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
@@ -94,6 +97,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "timeout"
     logprobs: list[dict] | None = None  # per token: {"token_id", "logprob", "top": [(id, logprob), ...]}
+    prompt_logprobs: list[dict] | None = None  # the same for prompt tokens 1.. (on the request's first event)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (OpenAI's usage.prompt_tokens_details)
@@ -140,6 +144,10 @@ class Sequence:
         self.page_hashes: list[bytes] = []  # chain hash of each full page of tokens, as far as computed
         self.num_indexed_pages = 0  # leading pages of `pages` that are in the prefix index
         self.cached_tokens: int | None = None  # prompt tokens found cached at its first admission
+        # Prompt logprobs: records for prompt tokens 1, 2, ... as the prefill scores them (kept
+        # across a preemption, so a recomputed prompt is not scored twice); sent once, complete.
+        self.prompt_logprobs: list[dict] | None = [] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = False
         # Speculative decoding with a draft model (engine/draft.py): the draft's cache holds
         # positions < draft_computed, and the drafts fed after them if they became the tokens.
         self.draft_computed = 0
@@ -167,6 +175,15 @@ class Sequence:
     def num_uncomputed(self) -> int:
         """Tokens to feed before the next token can be sampled (>= 1 while running)."""
         return self.num_tokens - self.num_computed
+
+    @property
+    def logits_needed_from(self) -> int | None:
+        """The first position whose logits the request still needs for its prompt logprobs
+        (position p scores prompt token p + 1), None when it needs none: its prefill may not
+        take cached pages from there on, and the steps feeding it are scored."""
+        if self.prompt_logprobs is None or len(self.prompt_logprobs) >= len(self.prompt_ids) - 1:
+            return None
+        return len(self.prompt_logprobs)
 
     @property
     def is_finished(self) -> bool:

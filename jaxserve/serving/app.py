@@ -209,7 +209,7 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
             raise P.bad(f"max_tokens is {max_tokens}; this model's maximum context length is {limit} tokens, "
                         "prompt included", param="max_tokens", code="context_length_exceeded")
         try:
-            limits.check_request(ids, max_tokens)
+            limits.check_request(ids, max(max_tokens, 1))  # max_tokens 0 still samples (and drops) one
             params = [req.sampling_params(max_tokens, j) for j in range(req.n)]
         except InvalidRequest as e:
             code = "context_length_exceeded" if "context length" in str(e) or "KV cache" in str(e) else None
@@ -251,6 +251,7 @@ class Responder:
         # completions' echo: each prompt's text, as sent (token ids: decoded), before its choices' text
         self.echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)
                      for p in req.prompts] if req.echo else None
+        self.scoring_only = req.max_tokens == 0  # echo and score the prompt; drop the one token sampled
         self.created = int(time.time())
 
     async def _events(self, choices: list[Choice]) -> AsyncIterator[tuple[int, TokenEvent | Exception]]:
@@ -311,6 +312,19 @@ class Responder:
             return None
         return self.fmt.chat(records) if self.req.chat else self.fmt.completion(records, offset)
 
+    @staticmethod
+    def _prompt_records(c: Choice, ev: TokenEvent) -> list[dict]:
+        """An echoed prompt's logprob records: its first token has none (OpenAI's null), then the
+        engine's for tokens 1.. (absent when the request ended before its prompt was scored)."""
+        return [{"token_id": c.prompt_ids[0], "logprob": None, "top": None}, *(ev.prompt_logprobs or [])]
+
+    def _output(self, ev: TokenEvent) -> tuple[list[int], str, list[dict]]:
+        """An event's (token ids, text, logprob records) as the client sees them: none of them
+        where the request only scores its prompt (max_tokens 0)."""
+        if self.scoring_only:
+            return [], "", []
+        return ev.token_ids, ev.text, ev.logprobs or []
+
     def _chunk(self, choices: list[dict], use: dict | None = None) -> dict:
         build = P.chat_chunk if self.req.chat else P.completion_chunk
         return build(self.rid, self.served.name, self.created, choices, self.req.include_usage, use)
@@ -337,9 +351,8 @@ class Responder:
         if self.req.chat:
             for c in choices:
                 yield self._sse(self._chunk([P.chat_delta(c.index, {"role": "assistant", "content": ""})]))
-        elif self.echo is not None:
-            for c in choices:
-                yield self._sse(self._chunk([self._piece(c.index, self.echo[c.prompt_index], None, None)]))
+        # echo: each choice's prompt comes with its first event, which carries the prompt's logprobs
+        unechoed = {c.index: c for c in choices} if self.echo is not None else {}
         async for index, item in self._events(choices):
             err = _error_of(item)
             if err is not None:
@@ -348,11 +361,17 @@ class Responder:
                     yield self._sse(self._chunk([self._piece(index, "", item.finish_reason, None)]))
                 continue
             ev: TokenEvent = item
-            completion_tokens += len(ev.token_ids)
-            lps = self._logprobs(ev.logprobs or [], offsets[index]) if ev.logprobs else None
-            offsets[index] += len(ev.text)
-            if ev.text or lps:
-                yield self._sse(self._chunk([self._piece(index, ev.text, None, lps)]))
+            if index in unechoed:
+                c = unechoed.pop(index)
+                lps = self._logprobs(self._prompt_records(c, ev))
+                offsets[index] = sum(map(len, lps["tokens"])) if lps else len(self.echo[c.prompt_index])
+                yield self._sse(self._chunk([self._piece(index, self.echo[c.prompt_index], None, lps)]))
+            token_ids, text, records = self._output(ev)
+            completion_tokens += len(token_ids)
+            lps = self._logprobs(records, offsets[index]) if records else None
+            offsets[index] += len(text)
+            if text or lps:
+                yield self._sse(self._chunk([self._piece(index, text, None, lps)]))
             if ev.finished:
                 yield self._sse(self._chunk([self._piece(index, "", ev.finish_reason, None)]))
         if self.req.include_usage:
@@ -365,14 +384,18 @@ class Responder:
 
     async def whole(self, choices: list[Choice]) -> dict:
         results = {c.index: ChoiceResult(text=self.echo[c.prompt_index] if self.echo else "") for c in choices}
+        unechoed = {c.index: c for c in choices} if self.echo is not None else {}
         async for index, item in self._events(choices):
             err = _error_of(item)
             if err is not None:
                 raise err
             r = results[index]
-            r.text += item.text
-            r.completion_tokens += len(item.token_ids)
-            r.logprobs.extend(item.logprobs or [])
+            if index in unechoed:
+                r.logprobs.extend(self._prompt_records(unechoed.pop(index), item))
+            token_ids, text, records = self._output(item)
+            r.text += text
+            r.completion_tokens += len(token_ids)
+            r.logprobs.extend(records)
             if item.finished:
                 r.finish_reason = item.finish_reason
         if all(r.finish_reason == "timeout" and not r.completion_tokens for r in results.values()):

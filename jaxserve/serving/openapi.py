@@ -106,17 +106,19 @@ _CHAT_REQUEST = {
 _COMPLETION_REQUEST = {
     "type": "object",
     "properties": {
+        **_SAMPLING,
         "prompt": {"anyOf": [{"type": "string", "minLength": 1},
                              {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
                              _TOKEN_IDS,
                              {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]},
         "logprobs": _num(0, SamplingParams.MAX_LOGPROBS, integer=True),
-        "echo": {"type": "boolean", "description": "the text starts with the prompt's; not with logprobs "
-                 "(prompt logprobs are not computed: 400)"},
+        "max_tokens": _num(0, INT32_MAX, integer=True, doc="0 only with echo (score the prompt); default: up to "
+                           "the context length (or the server's cap)"),
+        "echo": {"type": "boolean", "description": "the text starts with the prompt's; with logprobs, so do the "
+                 "logprobs (the first prompt token's are null)"},
         "suffix": {"type": "string", "maxLength": 0, "description": "fill in the middle is not supported: "
                    "a non-empty suffix is a 400"},
         "best_of": _num(1, INT32_MAX, integer=True, doc="only equal to n (every choice is returned)"),
-        **_SAMPLING,
     },
     "required": ["prompt"],
 }

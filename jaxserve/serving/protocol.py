@@ -295,7 +295,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     n: int
-    max_tokens: int | None
+    max_tokens: int | None  # 0: a completion that echoes and scores its prompt, generating nothing
     logprobs: int | None  # None: no logprobs; k: the chosen token's plus k alternatives
     sampling: dict  # SamplingParams keyword arguments other than max_tokens and seed
     seed: int | None
@@ -304,12 +304,14 @@ class GenerationRequest:
     timeout: float | None = None  # seconds from arrival; past it the request is ended
     cache_salt: str | None = None  # vLLM's field: requests with different salts share no cached KV page
     chat_template: ChatTemplateOptions | None = None  # chat: how the conversation becomes the prompt
-    echo: bool = False  # completions: the answer's text starts with its prompt's
+    echo: bool = False  # completions: the answer's text (and with logprobs, its logprobs) starts with the prompt's
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
-        """Choice i of n draws with seed + i, so n seeded choices differ yet each is reproducible."""
+        """Choice i of n draws with seed + i, so n seeded choices differ yet each is reproducible.
+        max_tokens 0 asks the engine for one token (the prefill samples it anyway), dropped."""
         seed = None if self.seed is None else (self.seed + choice) & 0xFFFFFFFF
-        return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=self.logprobs, **self.sampling)
+        return SamplingParams(max_tokens=max(max_tokens, 1), seed=seed, logprobs=self.logprobs,
+                              prompt_logprobs=self.logprobs if self.echo else None, **self.sampling)
 
 
 _TEMPLATE_OWN_NAMES = ("messages", "add_generation_prompt")
@@ -333,13 +335,14 @@ def _chat_template_options(body: dict, messages: list[dict]) -> ChatTemplateOpti
     return ChatTemplateOptions(add, cont, kwargs)
 
 
-def _completion_only_features(body: dict, n: int, logprobs: int | None) -> bool:
-    """`echo` (answered); `suffix` and `best_of` past n, and echo's prompt logprobs, are 400s:
-    this server does not fill in the middle, rank candidates or score prompts."""
+def _completion_only_features(body: dict, n: int, max_tokens: int | None) -> bool:
+    """`echo` (with `logprobs`: the prompt's tokens scored too, and max_tokens 0 for a prompt
+    scored alone: how evaluation harnesses score text); `suffix` and `best_of` past n are
+    400s: this server does not fill in the middle or rank candidates."""
     echo = _field(body, "echo", bool, False)
-    if echo and logprobs is not None:
-        raise bad("'echo' with 'logprobs' asks for the prompt's logprobs, which this server does not compute; "
-                  "leave out one of them", param="echo", code="unsupported_value")
+    if max_tokens == 0 and not echo:
+        raise bad("'max_tokens' 0 generates nothing: it is for scoring a prompt, with 'echo' true (and 'logprobs')",
+                  param="max_tokens", code="invalid_value")
     suffix = _field(body, "suffix", str, None)
     if suffix:
         raise bad("'suffix' (fill in the middle) is not supported by this server", param="suffix",
@@ -362,7 +365,8 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", param="stream_options", code="invalid_type")
     include_usage = bool(_field(opts or {}, "include_usage", bool, False))
-    max_tokens = _field(body, "max_tokens", int, lo=1, hi=2**31 - 1)
+    # 0 only with a completion's echo: the prompt scored, nothing generated (checked below)
+    max_tokens = _field(body, "max_tokens", int, lo=0 if not chat else 1, hi=2**31 - 1)
     if chat:
         max_tokens = _field(body, "max_completion_tokens", int, max_tokens, lo=1, hi=2**31 - 1)
     n = _field(body, "n", int, 1, lo=1, hi=max_n)
@@ -392,7 +396,7 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
     )
     _unsupported_features(body)
     template = _chat_template_options(body, messages) if chat else None
-    echo = False if chat else _completion_only_features(body, n, logprobs)
+    echo = False if chat else _completion_only_features(body, n, max_tokens)
     seed = _field(body, "seed", int, None, lo=-(2**63), hi=2**64 - 1)
     user = body.get("user") if isinstance(body.get("user"), str) else None
     return GenerationRequest(chat=chat, model=model, messages=messages, prompts=prompts, stream=stream,
