@@ -147,6 +147,33 @@ def test_stop_strings_and_logprobs(engine):
     assert all(len(lp["top"]) == 3 and lp["logprob"] <= 0 for lp in lps)
 
 
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(engine):
+    """Greedy, the answer ends with EOS at token n. With min_tokens past n the first n - 1
+    tokens are the same, EOS is not among the first min_tokens, and the output is at least
+    that long; a stop string or stop token id met inside the first min_tokens tokens does not
+    end it (vLLM's min_tokens), one met after does."""
+    tok = engine.tokenizer
+    prompt = tok.encode_chat([{"role": "user", "content": "Say hi."}])
+    free = engine.add_request(prompt, SamplingParams(max_tokens=60, temperature=0))
+    engine.run_until_done()
+    n = len(free.output_ids)
+    assert free.finish_reason == "stop" and n < 30 and free.output_ids[-1] in engine.eos_token_ids
+    held = engine.add_request(prompt, SamplingParams(max_tokens=60, temperature=0, min_tokens=n + 6))
+    engine.run_until_done()
+    assert held.output_ids[:n - 1] == free.output_ids[:n - 1]
+    assert len(held.output_ids) >= n + 6
+    assert not set(held.output_ids[:n + 6]) & engine.eos_token_ids
+    first = free.output_text[:3]  # in the free answer's first tokens
+    cut = engine.add_request(prompt, SamplingParams(max_tokens=60, temperature=0, stop=(first,), min_tokens=8))
+    by_id = engine.add_request(prompt, SamplingParams(max_tokens=60, temperature=0, min_tokens=8,
+                                                      stop_token_ids=(free.output_ids[0],)))
+    engine.run_until_done()
+    assert cut.output_text.startswith(first) and cut.output_text == free.output_text  # never met again
+    assert free.output_ids[0] not in by_id.output_ids[:8] and by_id.output_ids[0] != free.output_ids[0]
+    with pytest.raises(InvalidRequest, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
 def test_invalid_requests_are_refused_clearly(engine):
     with pytest.raises(InvalidRequest, match="empty"):
         engine.add_request([], SamplingParams())

@@ -230,6 +230,9 @@ BAD = [
     ("max-tokens-zero", CHAT, _chat(max_tokens=0), {}, 400, "max_tokens"),
     ("max-tokens-negative", CHAT, _chat(max_tokens=-1), {}, 400, "max_tokens"),
     ("completion-max-tokens-zero-without-echo", COMPLETIONS, _completion(max_tokens=0), {}, 400, "max_tokens"),
+    ("min-tokens-above-max-tokens", CHAT, _chat(min_tokens=5), {}, 400, "min_tokens"),
+    ("min-tokens-negative", CHAT, _chat(min_tokens=-1), {}, 400, "min_tokens"),
+    ("min-tokens-past-the-context", COMPLETIONS, {"prompt": "hi", "min_tokens": 600}, {}, 400, "min_tokens"),
     ("max-tokens-trillion", CHAT, _chat(max_tokens=10**12), {}, 400, "max_tokens"),
     ("max-tokens-past-context", COMPLETIONS, _completion(max_tokens=512), {}, 400, "max_tokens"),
     ("max-tokens-over-server-cap", COMPLETIONS, _completion(max_tokens=100), {}, 400, "max_tokens"),
@@ -330,6 +333,7 @@ BAD = [
      {}, 200, None),
     ("unknown-fields-ignored", CHAT, _chat(frobnicate=True, user=MARKER), {}, 200, None),
     ("best-of-equal-to-n-and-empty-suffix", COMPLETIONS, _completion(best_of=1, suffix=""), {}, 200, None),
+    ("min-tokens-equal-to-max-tokens", COMPLETIONS, _completion(min_tokens=4), {}, 200, None),
     ("echo-with-logprobs", COMPLETIONS, _completion(max_tokens=1, echo=True, logprobs=1), {}, 200, None),
 ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -278,3 +279,17 @@ def test_a_large_batch_samples_each_row_as_it_would_alone():
                                        rtol=0, atol=1e-6, err_msg=f"{b} {field}")
         for stream in (0, 1):
             assert np.array_equal(noise[stream][b], np.asarray(gumbel_noise(one, V, stream))[0]), (stream, b)
+
+
+def test_min_tokens_bans_a_rows_stop_ids_until_it_has_made_them():
+    """Row 0 has made 1 of its 2 min_tokens: its stop ids 1 and 3 are out, so greedy picks 2.
+    Row 1 has made its 2: nothing is banned, it picks 1. The logprobs stay the raw model's."""
+    logits = jnp.array([[0.0, 3.0, 2.0, 2.5], [0.0, 3.0, 2.0, 2.5]])
+    s = arrays(2, 4, counters=[1, 2]).replace(min_tokens=np.array([2, 2], np.int32),
+                                              stop_ids=np.array([[1, 3, -1], [1, 3, -1]], np.int32))
+    out = sample(logits, s)
+    assert list(np.asarray(out.tokens)) == [2, 1]
+    raw = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    np.testing.assert_allclose(np.asarray(out.logprobs), [raw[0, 2], raw[1, 1]], rtol=1e-6)
+    sampled = sample(logits, s.replace(temperature=np.ones(2, np.float32)))
+    assert int(sampled.tokens[0]) in (0, 2)

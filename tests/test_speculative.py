@@ -118,8 +118,12 @@ def test_greedy_is_token_identical_for_32_prompts_batched_and_12_alone(engines):
 def test_seeded_sampling_with_every_option_is_token_identical(engines):
     plain, spec = engines
     prompts = repetitive_prompts(plain.tokenizer, 6, seed=1)
-    # Penalties on two rows only: they discourage the copying that gets drafts accepted.
+    # Penalties on two rows only: they discourage the copying that gets drafts accepted. Rows 3
+    # and 5 end at a comma (a stop token id) or " blue" (a stop string), but not in their first
+    # 10 tokens (min_tokens).
+    comma = plain.tokenizer.encode(",", add_special_tokens=False)[0]
     params = [SamplingParams(max_tokens=32, temperature=[0.5, 0.8][i % 2], top_k=[0, 50][i % 2],
+                             min_tokens=10 if i in (3, 5) else 0, stop_token_ids=(comma,) if i == 3 else (),
                              top_p=[1.0, 0.9][i % 3 == 0], seed=100 + i,
                              repetition_penalty=1.3 if i == 1 else 1.0, presence_penalty=0.5 if i == 4 else 0.0,
                              frequency_penalty=0.2 if i == 1 else 0.0, logit_bias=((5, 2.0),) if i % 4 == 0 else (),

@@ -56,6 +56,7 @@ from jaxserve.engine.limits import RequestLimits
 from jaxserve.layers import parallel
 from jaxserve.layers.attention import kv_storage
 from jaxserve.engine.runner import Launched, ModelRunner, ScheduledItem, StepResult, enable_compilation_cache
+from jaxserve.engine.sampler import STOP_ID_SLOTS
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, by_priority
 from jaxserve.engine.sequence import InvalidRequest, SamplingParams, Sequence, Status, TokenEvent
 from jaxserve.engine.speculative import propose
@@ -210,6 +211,9 @@ class Engine:
         seq.seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq.seed &= 0xFFFFFFFF
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        if params.min_tokens:  # the ids the sampler bans until then
+            eos = () if params.ignore_eos else tuple(sorted(self.eos_token_ids))
+            seq.held_stop_ids = (params.stop_token_ids + eos)[:STOP_ID_SLOTS]
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -489,7 +493,13 @@ class Engine:
                 reason = "length"
                 text += seq.detokenizer.flush()
         full = seq.output_text + text
-        hit = min(((full.find(s), s) for s in p.stop if s in full), default=None)
+        n = len(seq.output_ids)
+        if n < p.min_tokens:  # min_tokens: no stop string ends in its first min_tokens - 1 tokens' text
+            seq.stop_floor = len(full) if n == p.min_tokens - 1 else 0
+            hit = None
+        else:
+            hit = min(((i, s) for s in p.stop if (i := full.find(s, max(0, seq.stop_floor - len(s) + 1))) >= 0),
+                      default=None)
         if hit is not None:
             full, reason = full[:hit[0]], "stop"
         emit_upto = len(full)

@@ -47,8 +47,8 @@ from flax import struct
 from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.sampler import (NUM_TOP_LOGPROBS, SampleOutput, SamplingArrays, gumbel_noise, probabilities,
-                                     sample, token_logprobs, uniform_noise)
+from jaxserve.engine.sampler import (NUM_TOP_LOGPROBS, STOP_ID_SLOTS, SampleOutput, SamplingArrays, gumbel_noise,
+                                     probabilities, sample, token_logprobs, uniform_noise)
 from jaxserve.engine.sequence import SamplingParams, Sequence
 from jaxserve.engine.speculative import ACCEPT_STREAM, accept_drafts, accepted_lengths
 from jaxserve.layers import cpu_attention, parallel
@@ -496,7 +496,8 @@ class ModelRunner:
             presence_penalty=sds((B,), f32), frequency_penalty=sds((B,), f32), repetition_penalty=sds((B,), f32),
             seeds=sds((B,), jnp.uint32), counters=sds((B,), i32), history=sds((B, H), i32),
             prompt_lens=sds((B,), i32), logprobs=sds((B,), jnp.bool_),
-            bias_ids=sds((B, NB), i32), bias_values=sds((B, NB), f32))
+            bias_ids=sds((B, NB), i32), bias_values=sds((B, NB), f32),
+            min_tokens=sds((B,), i32), stop_ids=sds((B, STOP_ID_SLOTS), i32))
         like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)  # noqa: E731
         params, kv = jax.tree.map(like, self.params), jax.tree.map(like, self.kv_cache)
         if T == 0:
@@ -735,6 +736,7 @@ class ModelRunner:
         history = np.full((B, H), -1, np.int32)
         bias_ids = np.full((B, SamplingParams.MAX_LOGIT_BIAS), -1, np.int32)
         bias_values = np.zeros((B, SamplingParams.MAX_LOGIT_BIAS), f32)
+        min_tokens, stop_ids = np.zeros(B, np.int32), np.full((B, STOP_ID_SLOTS), -1, np.int32)
         for i, it in enumerate(items):
             seq, p = it.seq, it.seq.params
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
@@ -744,9 +746,12 @@ class ModelRunner:
             want_logprobs[i] = p.logprobs is not None
             if p.logit_bias:
                 bias_ids[i, :len(p.logit_bias)], bias_values[i, :len(p.logit_bias)] = zip(*p.logit_bias)
+            if p.min_tokens:
+                min_tokens[i] = p.min_tokens
+                stop_ids[i, :len(seq.held_stop_ids)] = seq.held_stop_ids
             if pres[i] or freq[i] or rep[i] != 1:  # only penalties read the history
                 history[i, :known[i]] = seq.tokens[:known[i]]
         return SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=pres,
                               frequency_penalty=freq, repetition_penalty=rep, seeds=seeds, counters=counters,
                               history=history, prompt_lens=prompt_lens, logprobs=want_logprobs,
-                              bias_ids=bias_ids, bias_values=bias_values)
+                              bias_ids=bias_ids, bias_values=bias_values, min_tokens=min_tokens, stop_ids=stop_ids)

@@ -8,7 +8,8 @@ depend only on its own logits, seed and position, never on its neighbours in the
 batch or on the batch size.
 
 Order of processing (as HF's logits processors): repetition penalty, presence and
-frequency penalties, logit bias, temperature, top-k, top-p, min-p. Logprobs are reported from
+frequency penalties, logit bias, min_tokens (a row's stop ids banned until it has made
+min_tokens tokens), temperature, top-k, top-p, min-p. Logprobs are reported from
 the model's raw distribution (log_softmax of the unprocessed logits), as vLLM does.
 """
 
@@ -23,6 +24,7 @@ TOP_K_ROUND = 16  # the largest k XLA's GPU top-k kernel takes (see top_k)
 ROW_CHUNK = 16  # a CPU samples a large batch this many rows at a time (in_row_chunks)
 CANDIDATES = 64  # the largest logits per row the filters read before falling back to the whole row
 NEG_INF = -jnp.inf
+STOP_ID_SLOTS = 32  # per row: the stop ids min_tokens bans (a request's stop_token_ids, then the EOS ids)
 
 
 @struct.dataclass
@@ -43,6 +45,10 @@ class SamplingArrays:
     logprobs: jax.Array  # [B] bool, the request wants logprobs
     bias_ids: jax.Array  # [B, NB] i32, logit_bias token ids, -1 padded (NB = SamplingParams.MAX_LOGIT_BIAS)
     bias_values: jax.Array  # [B, NB] f32, the bias of each id (0 in the padding)
+    # vLLM's min_tokens: stop_ids (EOS unless ignored, and stop_token_ids; -1 padded) cannot be
+    # sampled while counters < min_tokens. None (arrays made without them): no such stage.
+    min_tokens: jax.Array | None = None  # [B] i32, 0 = off
+    stop_ids: jax.Array | None = None  # [B, NS] i32
 
 
 @struct.dataclass
@@ -86,6 +92,29 @@ def apply_logit_bias(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     B, V = logits.shape
     ids = jnp.where(s.bias_ids >= 0, s.bias_ids, V)  # V is out of range: dropped
     return logits.at[jnp.arange(B)[:, None], ids].add(s.bias_values, mode="drop")
+
+
+def _held(s: SamplingArrays) -> jax.Array:
+    """[B] bool: the row has made fewer than its min_tokens, so its stop ids are banned."""
+    if s.min_tokens is None:
+        return jnp.zeros(s.counters.shape, jnp.bool_)
+    return s.counters < s.min_tokens
+
+
+def apply_min_tokens(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """logits [B, V] with each held row's stop ids at -inf."""
+    B, V = logits.shape
+    ids = jnp.where((s.stop_ids >= 0) & _held(s)[:, None], s.stop_ids, V)  # V is out of range: dropped
+    return logits.at[jnp.arange(B)[:, None], ids].set(NEG_INF, mode="drop")
+
+
+def _processed(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """The penalties, the bias and min_tokens, each skipped when no row asks for it."""
+    logits = jax.lax.cond(_penalised(s).any(), apply_penalties, lambda x, _: x, logits, s)
+    logits = jax.lax.cond(_biased(s).any(), apply_logit_bias, lambda x, _: x, logits, s)
+    if s.min_tokens is None:
+        return logits
+    return jax.lax.cond(_held(s).any(), apply_min_tokens, lambda x, _: x, logits, s)
 
 
 def _penalised(s: SamplingArrays) -> jax.Array:
@@ -265,8 +294,7 @@ def probabilities(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """logits [B, V] -> [B, V] the distribution `sample` draws row b's token from: after the
     penalties, the bias, the temperature and the filters; one-hot at the argmax of a greedy
     row. Speculative decoding with a draft model compares two of these (engine/speculative.py)."""
-    logits = jax.lax.cond(_penalised(s).any(), apply_penalties, lambda x, _: x, logits, s)
-    logits = jax.lax.cond(_biased(s).any(), apply_logit_bias, lambda x, _: x, logits, s)
+    logits = _processed(logits, s)
     one_hot = jax.nn.one_hot(argmax(logits), logits.shape[1], dtype=jnp.float32)
     return jnp.where(s.temperature[:, None] > 0, jax.nn.softmax(_filtered(logits, s), axis=-1), one_hot)
 
@@ -286,7 +314,7 @@ def sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
 
 
 def _sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
-    plain = ~(_penalised(s) | _biased(s) | (s.temperature > 0) | s.logprobs).any()
+    plain = ~(_penalised(s) | _biased(s) | _held(s) | (s.temperature > 0) | s.logprobs).any()
     return jax.lax.cond(plain, _plain_greedy, _full_sample, logits, s)
 
 
@@ -297,8 +325,7 @@ def _plain_greedy(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
 
 def _full_sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
     raw = logits
-    logits = jax.lax.cond(_penalised(s).any(), apply_penalties, lambda x, _: x, logits, s)
-    logits = jax.lax.cond(_biased(s).any(), apply_logit_bias, lambda x, _: x, logits, s)
+    logits = _processed(logits, s)
     greedy = argmax(logits)
     tokens = jax.lax.cond((s.temperature > 0).any(), _sampled_tokens, lambda x, _, g: g, logits, s, greedy)
     tokens = tokens.astype(jnp.int32)

@@ -37,6 +37,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends the output before this many tokens
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: plus the n most likely
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (scoring)
     skip_special_tokens: bool = True
@@ -44,6 +45,7 @@ class SamplingParams:
     speculative: bool = True  # may this request's tokens be proposed and verified (when the engine speculates)
 
     MAX_LOGPROBS = 20
+    MAX_STOP_TOKEN_IDS = 16
     MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows; the sampler has this many slots per row
 
     def __post_init__(self):
@@ -68,6 +70,10 @@ class SamplingParams:
              f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"),
             (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
              f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}"),
+            (len(self.stop_token_ids) <= self.MAX_STOP_TOKEN_IDS,
+             f"stop_token_ids takes at most {self.MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
              f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (len(self.logit_bias) <= self.MAX_LOGIT_BIAS,
@@ -148,6 +154,10 @@ class Sequence:
         # across a preemption, so a recomputed prompt is not scored twice); sent once, complete.
         self.prompt_logprobs: list[dict] | None = [] if params.prompt_logprobs is not None else None
         self.prompt_logprobs_sent = False
+        # min_tokens: the ids the sampler bans until it is reached (the request's stop ids and
+        # EOS), and how much of output_text no stop string may end in (set on the way there)
+        self.held_stop_ids: tuple[int, ...] = ()
+        self.stop_floor = 0
         # Speculative decoding with a draft model (engine/draft.py): the draft's cache holds
         # positions < draft_computed, and the drafts fed after them if they became the tokens.
         self.draft_computed = 0

@@ -212,6 +212,8 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
             limits.check_request(ids, max(max_tokens, 1))  # max_tokens 0 still samples (and drops) one
             params = [req.sampling_params(max_tokens, j) for j in range(req.n)]
         except InvalidRequest as e:
+            if str(e).startswith("min_tokens"):  # past what the context leaves (max_tokens not sent)
+                raise P.bad(str(e), param="min_tokens", code="invalid_value") from None
             code = "context_length_exceeded" if "context length" in str(e) or "KV cache" in str(e) else None
             raise P.bad(str(e), param=param, code=code) from None
         try:

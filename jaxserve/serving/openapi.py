@@ -46,6 +46,8 @@ _SAMPLING = {
     "frequency_penalty": _num(-2, 2),
     "repetition_penalty": _num(0, lo_open=True),
     "ignore_eos": {"type": "boolean"},
+    "min_tokens": _num(0, INT32_MAX, integer=True, doc="no EOS, stop token id or stop string ends the output "
+                       "before this many tokens; at most max_tokens"),
     "stop": {"anyOf": [{"type": "string", "minLength": 1},
                        {"type": "array", "items": {"type": "string", "minLength": 1},
                         "maxItems": MAX_STOP_SEQUENCES}]},

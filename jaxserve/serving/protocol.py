@@ -388,6 +388,7 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
         frequency_penalty=_field(body, "frequency_penalty", float, 0.0, lo=-2, hi=2),
         repetition_penalty=_field(body, "repetition_penalty", float, 1.0, lo=0, lo_open=True),
         ignore_eos=_field(body, "ignore_eos", bool, False),
+        min_tokens=_field(body, "min_tokens", int, 0, lo=0, hi=2**31 - 1),
         stop=_stop(body),
         logit_bias=_logit_bias(body),
         stop_token_ids=_token_ids(body, "stop_token_ids"),
@@ -395,6 +396,9 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
         speculative=_field(body, "speculative", bool, True),
     )
     _unsupported_features(body)
+    if max_tokens is not None and sampling["min_tokens"] > max(max_tokens, 1):
+        raise bad(f"'min_tokens' ({sampling['min_tokens']}) must not exceed 'max_tokens' ({max_tokens})",
+                  param="min_tokens", code="invalid_value")
     template = _chat_template_options(body, messages) if chat else None
     echo = False if chat else _completion_only_features(body, n, max_tokens)
     seed = _field(body, "seed", int, None, lo=-(2**63), hi=2**64 - 1)
