@@ -139,6 +139,10 @@ def test_stop_strings_and_logprobs(engine):
     events = engine.run_until_done()
     assert seq.finish_reason == "stop"
     assert seq.output_text == text[:text.index("Paris")]
+    kept = engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0, stop=("Paris", "zebra"),
+                                                     include_stop_str_in_output=True))
+    engine.run_until_done()
+    assert kept.finish_reason == "stop" and kept.output_text == text[:text.index("Paris") + len("Paris")]
     streamed = "".join(e.text for e in events if e.request_id == seq.request_id)
     assert streamed == seq.output_text
     lps = [lp for e in events if e.request_id == seq.request_id and e.logprobs for lp in e.logprobs]

@@ -190,6 +190,9 @@ def test_stop_strings_cut_where_the_string_first_appears(client, model):
     assert cut.choices[0].finish_reason == "stop"
     streamed, _ = stream_text(chat(client, model, QUESTION, max_tokens=24, temperature=0, stop=word, stream=True))
     assert streamed == free[:free.index(word)]
+    kept, _ = stream_text(chat(client, model, QUESTION, max_tokens=24, temperature=0, stop=word, stream=True,
+                               extra_body={"include_stop_str_in_output": True}))
+    assert kept == free[:free.index(word) + len(word)]
 
 
 def test_n_2_seeded_samples(client, model):

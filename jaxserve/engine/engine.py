@@ -501,7 +501,7 @@ class Engine:
             hit = min(((i, s) for s in p.stop if (i := full.find(s, max(0, seq.stop_floor - len(s) + 1))) >= 0),
                       default=None)
         if hit is not None:
-            full, reason = full[:hit[0]], "stop"
+            full, reason = full[:hit[0] + (len(hit[1]) if p.include_stop_str_in_output else 0)], "stop"
         emit_upto = len(full)
         if reason is None and p.stop:
             # Hold back a tail that could still grow into a stop string.

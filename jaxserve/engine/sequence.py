@@ -38,6 +38,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends the output before this many tokens
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the output stays in its text
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: plus the n most likely
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (scoring)
     skip_special_tokens: bool = True

@@ -51,6 +51,7 @@ _SAMPLING = {
     "stop": {"anyOf": [{"type": "string", "minLength": 1},
                        {"type": "array", "items": {"type": "string", "minLength": 1},
                         "maxItems": MAX_STOP_SEQUENCES}]},
+    "include_stop_str_in_output": {"type": "boolean", "description": "keep the stop string that ended the text"},
     "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": MAX_STOP_SEQUENCES},
     "logit_bias": {"type": "object", "maxProperties": SamplingParams.MAX_LOGIT_BIAS,
                    "propertyNames": {"pattern": f"^[0-9]{{1,{MAX_ID_DIGITS}}}$"},

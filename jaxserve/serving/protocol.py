@@ -390,6 +390,7 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
         ignore_eos=_field(body, "ignore_eos", bool, False),
         min_tokens=_field(body, "min_tokens", int, 0, lo=0, hi=2**31 - 1),
         stop=_stop(body),
+        include_stop_str_in_output=_field(body, "include_stop_str_in_output", bool, False),
         logit_bias=_logit_bias(body),
         stop_token_ids=_token_ids(body, "stop_token_ids"),
         skip_special_tokens=_field(body, "skip_special_tokens", bool, True),
