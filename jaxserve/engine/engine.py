@@ -55,7 +55,8 @@ from jaxserve.engine.prefix_cache import PrefixCache
 from jaxserve.engine.limits import RequestLimits
 from jaxserve.layers import parallel
 from jaxserve.layers.attention import kv_storage
-from jaxserve.engine.runner import Launched, ModelRunner, ScheduledItem, StepResult, enable_compilation_cache
+from jaxserve.engine.runner import (Launched, ModelRunner, PromptScores, ScheduledItem, StepResult,
+                                    enable_compilation_cache)
 from jaxserve.engine.sampler import STOP_ID_SLOTS
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig, by_priority
 from jaxserve.engine.sequence import InvalidRequest, SamplingParams, Sequence, Status, TokenEvent
@@ -455,7 +456,7 @@ class Engine:
         return events
 
     @staticmethod
-    def _score_prompt(seq: Sequence, it: ScheduledItem, scores, i: int) -> None:
+    def _score_prompt(seq: Sequence, it: ScheduledItem, scores: PromptScores, i: int) -> None:
         """Record the prompt logprobs of the positions row i of a scored prefill fed that the
         sequence has no record for yet: position p's scores are prompt token p + 1's."""
         n = seq.params.prompt_logprobs
@@ -495,7 +496,8 @@ class Engine:
         full = seq.output_text + text
         n = len(seq.output_ids)
         if n < p.min_tokens:  # min_tokens: no stop string ends in its first min_tokens - 1 tokens' text
-            seq.stop_floor = len(full) if n == p.min_tokens - 1 else 0
+            if n == p.min_tokens - 1:
+                seq.stop_floor = len(full)
             hit = None
         else:
             hit = min(((i, s) for s in p.stop if (i := full.find(s, max(0, seq.stop_floor - len(s) + 1))) >= 0),

@@ -292,7 +292,7 @@ def _sampled_tokens(logits: jax.Array, s: SamplingArrays, greedy: jax.Array) -> 
 
 def probabilities(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     """logits [B, V] -> [B, V] the distribution `sample` draws row b's token from: after the
-    penalties, the bias, the temperature and the filters; one-hot at the argmax of a greedy
+    penalties, the bias, min_tokens, the temperature and the filters; one-hot at the argmax of a greedy
     row. Speculative decoding with a draft model compares two of these (engine/speculative.py)."""
     logits = _processed(logits, s)
     one_hot = jax.nn.one_hot(argmax(logits), logits.shape[1], dtype=jnp.float32)

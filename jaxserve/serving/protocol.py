@@ -317,7 +317,7 @@ class GenerationRequest:
 _TEMPLATE_OWN_NAMES = ("messages", "add_generation_prompt")
 
 
-def _chat_template_options(body: dict, messages: list[dict]) -> ChatTemplateOptions:
+def _chat_template_options(body: dict) -> ChatTemplateOptions:
     add = _field(body, "add_generation_prompt", bool, True)
     cont = _field(body, "continue_final_message", bool, False)
     if add and cont:
@@ -400,7 +400,7 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
     if max_tokens is not None and sampling["min_tokens"] > max(max_tokens, 1):
         raise bad(f"'min_tokens' ({sampling['min_tokens']}) must not exceed 'max_tokens' ({max_tokens})",
                   param="min_tokens", code="invalid_value")
-    template = _chat_template_options(body, messages) if chat else None
+    template = _chat_template_options(body) if chat else None
     echo = False if chat else _completion_only_features(body, n, max_tokens)
     seed = _field(body, "seed", int, None, lo=-(2**63), hi=2**64 - 1)
     user = body.get("user") if isinstance(body.get("user"), str) else None
