@@ -134,3 +134,26 @@ def test_continue_final_message_matches_transformers(default_model_dir, tmp_path
     assert ours.continue_final_message(empty) == ours.apply_chat_template(empty[:1], add_generation_prompt=True)
     with pytest.raises(ChatTemplateError, match="empty final user"):
         ours.continue_final_message([{"role": "user", "content": " "}])
+
+
+def test_template_variables_that_break_the_template_are_the_clients_400(default_model_dir, tmp_path):
+    """chat_template_kwargs reach the template: one that replaces the template's
+    `raise_exception` with a number makes its call on a tool message a TypeError (not a
+    template error), which the server answers with a 400 naming the field, not a 500."""
+    from types import SimpleNamespace
+
+    from jaxserve.engine.limits import RequestLimits
+    from jaxserve.serving import protocol as P
+    from jaxserve.serving.app import plan_choices
+
+    served = SimpleNamespace(tokenizer=Tokenizer(_with_template(default_model_dir, tmp_path, LLAMA3_STYLE)),
+                             limits=RequestLimits(vocab_size=49152, max_model_len=512, pool_tokens=4096))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    ok = plan_choices(served, P.parse_generation({**body, "chat_template_kwargs": {"bos_token": "<s>"}}, chat=True,
+                                                 max_n=1))
+    assert served.tokenizer.decode(ok[0][0].prompt_ids).startswith("<s><|start_header_id|>")
+    tool = {**body, "messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}
+    with pytest.raises(P.APIError) as e:
+        plan_choices(served, P.parse_generation({**tool, "chat_template_kwargs": {"raise_exception": 3}}, chat=True,
+                                                max_n=1))
+    assert e.value.status == 400 and e.value.param == "chat_template_kwargs"

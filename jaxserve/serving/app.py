@@ -190,6 +190,11 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
                                        continue_final_message=t.continue_final_message, template_kwargs=t.kwargs)]
         except ChatTemplateError as e:
             raise P.bad(str(e), param="messages", code="invalid_messages") from None
+        except Exception as e:  # noqa: BLE001 - the client's own template variables broke the template
+            if not t.kwargs:
+                raise
+            raise P.bad(f"the chat template failed with these chat_template_kwargs: {type(e).__name__}: {e}",
+                        param="chat_template_kwargs", code="invalid_value") from None
     else:
         prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
     param = "messages" if req.chat else "prompt"
