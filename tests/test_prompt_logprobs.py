@@ -51,14 +51,41 @@ def test_prompt_logprobs_equal_the_reference_forward(default_model_dir, default_
     assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in outs[2:]]  # scoring does not change a sample
     assert outs[2].prompt_logprobs is None
 
-    # Again, now that the prompts' pages are cached: a scored request computes every position
-    # (none of its prompt comes from the cache), a plain one takes the cached pages.
-    again = [llm.engine.add_request(p, sp) for p, sp in zip(prompts + prompts, [scored, scored, plain, plain])]
+    # Again, now that the prompts' pages are cached: a scored request takes the records kept
+    # for its full pages with the pages (asking for fewer alternatives: the best of them).
+    fewer = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=1)
+    again = [llm.engine.add_request(p, sp) for p, sp in zip(prompts + prompts, [scored, fewer, plain, plain])]
     llm.engine.run_until_done()
-    assert [s.cached_tokens for s in again[:2]] == [0, 0]
-    assert again[3].cached_tokens >= 128  # (the short prompt fills no whole page)
-    for s, out in zip(again[:2], outs[:2]):
-        assert s.prompt_logprobs == out.prompt_logprobs
+    assert again[0].cached_tokens == 0 and again[1].cached_tokens >= 128  # (the short prompt fills no page)
+    assert again[3].cached_tokens >= 128
+    np.testing.assert_allclose(records(again[0])[0], records(outs[0])[0], atol=1e-4)  # computed again
+    assert again[1].prompt_logprobs[:128] == [{**r, "top": r["top"][:1]} for r in outs[1].prompt_logprobs[:128]]
+
+
+def test_scored_contexts_are_computed_once_and_each_answer_scored(default_model_dir, default_model):
+    """Four answers after one 60-token context, sent together as an evaluation scores a
+    question: the first request computes the context, the others wait a step and take its
+    pages and records; every record equals that of an engine without a prefix cache. Asking
+    for more alternatives than were kept computes them."""
+    cfg, params, tok = default_model
+    context = tok.encode("Question: which of these rivers flows through Vienna, Budapest and Belgrade? " * 4)
+    answers = [tok.encode(a, add_special_tokens=False) for a in (" The Danube.", " The Rhine.", " The Nile.",
+                                                                  " The Amazon.")]
+    prompts = [context + a for a in answers]
+    sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
+    fresh = LLM(default_model_dir, warmup=False, **{**OPTS, "enable_prefix_caching": False}).generate(prompts, sp)
+    llm = LLM(default_model_dir, warmup=False, **OPTS)
+    first, *rest = [llm.engine.add_request(p, sp) for p in prompts]
+    llm.engine.run_until_done()
+    assert first.cached_tokens == 0
+    full_pages = (len(context) - 1) // 16  # pages whose every record scores a context token
+    assert all(s.cached_tokens == full_pages * 16 for s in rest)
+    for out, s in zip(fresh, [first, *rest]):
+        np.testing.assert_allclose(records(s)[0], records(out)[0], atol=1e-4)
+        assert records(s)[2] == s.prompt_ids[1:]
+    more = llm.engine.add_request(prompts[1], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5))
+    llm.engine.run_until_done()
+    assert more.cached_tokens == 0 and len(more.prompt_logprobs[0]["top"]) == 5
 
 
 def test_prompt_logprobs_survive_preemption_by_recompute(tiny_model_dir):

@@ -428,6 +428,8 @@ class Engine:
                 continue
             if result.scores is not None and seq.logits_needed_from is not None:
                 self._score_prompt(seq, it, result.scores, i)
+                if self.cache is not None:
+                    self.cache.keep_scores(seq)
             if not it.samples:  # a prompt chunk short of the prompt's end
                 seq.num_computed = it.start + it.length
                 if self.cache is not None:

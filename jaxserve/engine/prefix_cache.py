@@ -26,6 +26,13 @@ The scheduler also holds back a waiting sequence whose next page is being comput
 right now by a running prompt (`pending`): a burst of requests with one system prompt,
 or the n choices of one request, compute it once and share it a step later.
 
+Prompt logprobs (a scored prompt, engine.py) need every position's logits, which a cached
+page does not hold. So the records a scored prompt computed for a full page are kept
+too (`keep_scores`), named by the page's chain and the token after it (its last
+position's record scores that token), and a later scored prompt of the same tokens takes
+them (`find_scores`) before it matches pages: contexts that many scored prompts share
+(an evaluation's few-shot examples, a question with several answers) are computed once.
+
 Hashes are 128-bit BLAKE2b, so a collision (a page of someone else's tokens) is as
 unlikely as in a content-addressed store.
 """
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+from collections import OrderedDict
 
 from jaxserve.engine.pages import PagePool
 from jaxserve.engine.sequence import Sequence
@@ -56,13 +64,18 @@ def chain_hashes(tokens: list[int], page_size: int, parent: bytes, start: int = 
 
 
 class PrefixCache:
-    """The hash chains of sequences and their pages in the pool's index."""
+    """The hash chains of sequences and their pages in the pool's index, and the prompt
+    logprob records of scored pages (the least recently used dropped past MAX_SCORED_PAGES)."""
+
+    MAX_SCORED_PAGES = 4096
 
     def __init__(self, pool: PagePool, extra_key: str):
         self.pool = pool
         self.page_size = pool.page_size
         self._root = _h(b"jaxserve-prefix-v1", extra_key.encode())
         self.queries = 0  # prompt tokens looked up at admission (vLLM's prefix_cache_queries)
+        # scored page name -> (top alternatives per record, the page's page_size records)
+        self.scores: OrderedDict[bytes, tuple[int, list[dict]]] = OrderedDict()
         self.hits = 0  # of those, tokens found cached
 
     def root(self, cache_salt: str | None) -> bytes:
@@ -127,6 +140,41 @@ class PrefixCache:
         for i in range(seq.num_indexed_pages, n):
             self.pool.index(seq.pages[i], hashes[i])  # False: another page holds this chain already
         seq.num_indexed_pages = n
+
+    def _score_name(self, seq: Sequence, page: int) -> bytes | None:
+        """The name of the records of `seq`'s prompt page `page`: its chain and the prompt token
+        after it, which its last record scores (None when the prompt ends before that token)."""
+        after = (page + 1) * self.page_size
+        if after >= len(seq.prompt_ids):
+            return None
+        return _h(self.hashes(seq, page + 1)[page], b"next:" + array.array("i", [seq.prompt_ids[after]]).tobytes())
+
+    def keep_scores(self, seq: Sequence) -> None:
+        """Keep the records of `seq`'s prompt pages that it has scored in full since the last call."""
+        ps, k = self.page_size, seq.params.prompt_logprobs
+        done = len(seq.prompt_logprobs) // ps
+        for page in range(seq.scored_pages, done):
+            name = self._score_name(seq, page)
+            if name is None:
+                break
+            self.scores[name] = (k, seq.prompt_logprobs[page * ps:(page + 1) * ps])
+            self.scores.move_to_end(name)
+        seq.scored_pages = max(seq.scored_pages, done)
+        while len(self.scores) > self.MAX_SCORED_PAGES:
+            self.scores.popitem(last=False)
+
+    def find_scores(self, seq: Sequence) -> None:
+        """Extend `seq`'s prompt logprobs with kept records of its next pages, while there are
+        (with at least as many alternatives as it asks for): it need not compute them."""
+        ps, k = self.page_size, seq.params.prompt_logprobs
+        while (start := seq.logits_needed_from) is not None and start % ps == 0:
+            name = self._score_name(seq, start // ps)
+            kept = self.scores.get(name) if name is not None else None
+            if kept is None or kept[0] < k:
+                break
+            self.scores.move_to_end(name)
+            seq.prompt_logprobs.extend({**r, "top": r["top"][:k]} for r in kept[1])
+            seq.scored_pages = start // ps + 1
 
     def stats(self) -> dict:
         return {"queries": self.queries, "hits": self.hits, "cached_pages": self.pool.num_cached,

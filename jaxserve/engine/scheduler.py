@@ -268,6 +268,8 @@ class Scheduler:
         mid_ids = {id(s) for s in mid}
         cache = self.cache
         pending = cache.pending(mid) if cache is not None else set()
+        # pages being scored: a scored prompt waits for the records of these, not for plain pages
+        scoring = cache.pending([s for s in mid if s.logits_needed_from is not None]) if cache is not None else set()
         admitted: list[Sequence] = []
         blocked = False
         for seq in sorted(mid + self.waiting, key=self.order_key):
@@ -283,9 +285,11 @@ class Scheduler:
             else:
                 if blocked:
                     continue
+                if cache is not None and seq.logits_needed_from is not None:
+                    cache.find_scores(seq)  # prompt logprobs: records other prompts kept for its pages
                 scored_from = seq.logits_needed_from  # prompt logprobs: no cached page past it
                 hit = cache.match(seq, scored_from) if cache is not None else []
-                if cache is not None and scored_from is None and cache.waits(seq, len(hit), pending):
+                if cache is not None and cache.waits(seq, len(hit), pending if scored_from is None else scoring):
                     continue  # its next page is being computed now: it shares that page a step later
                 start = len(hit) * self.pool.page_size
                 length = min(seq.num_tokens - start, cfg.max_prefill_chunk)
@@ -301,7 +305,10 @@ class Scheduler:
                     continue
                 if cache is not None:
                     seq.num_computed = cache.acquire(seq, hit)
-                    pending.update(cache.pending([seq]))
+                    computing = cache.pending([seq])
+                    pending.update(computing)
+                    if seq.logits_needed_from is not None:
+                        scoring.update(computing)
                 self.pool.grow(seq.pages, start + length)
                 admitted.append(seq)
                 items.append(ScheduledItem(seq, start, length))

@@ -155,6 +155,7 @@ class Sequence:
         # across a preemption, so a recomputed prompt is not scored twice); sent once, complete.
         self.prompt_logprobs: list[dict] | None = [] if params.prompt_logprobs is not None else None
         self.prompt_logprobs_sent = False
+        self.scored_pages = 0  # leading prompt pages whose records the prefix cache has (or gave)
         # min_tokens: the ids the sampler bans until it is reached (the request's stop ids and
         # EOS), and how much of output_text no stop string may end in (set on the way there)
         self.held_stop_ids: tuple[int, ...] = ()
