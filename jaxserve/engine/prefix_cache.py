@@ -67,7 +67,7 @@ class PrefixCache:
     """The hash chains of sequences and their pages in the pool's index, and the prompt
     logprob records of scored pages (the least recently used dropped past MAX_SCORED_PAGES)."""
 
-    MAX_SCORED_PAGES = 4096
+    MAX_SCORED_PAGES = 1024  # 16k positions: with 20 alternatives each, about 45 MB of Python records
 
     def __init__(self, pool: PagePool, extra_key: str):
         self.pool = pool
@@ -178,4 +178,5 @@ class PrefixCache:
 
     def stats(self) -> dict:
         return {"queries": self.queries, "hits": self.hits, "cached_pages": self.pool.num_cached,
+                "scored_pages": len(self.scores),
                 "indexed_pages": self.pool.num_indexed, "evictions": self.pool.evictions}
