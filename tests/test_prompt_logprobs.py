@@ -62,19 +62,18 @@ def test_prompt_logprobs_equal_the_reference_forward(default_model_dir, default_
     assert again[1].prompt_logprobs[:128] == [{**r, "top": r["top"][:1]} for r in outs[1].prompt_logprobs[:128]]
 
 
-def test_scored_contexts_are_computed_once_and_each_answer_scored(default_model_dir, default_model):
+def test_scored_contexts_are_computed_once_and_each_answer_scored(tiny_model_dir):
     """Four answers after one 60-token context, sent together as an evaluation scores a
     question: the first request computes the context, the others wait a step and take its
     pages and records; every record equals that of an engine without a prefix cache. Asking
     for more alternatives than were kept computes them."""
-    cfg, params, tok = default_model
-    context = tok.encode("Question: which of these rivers flows through Vienna, Budapest and Belgrade? " * 4)
-    answers = [tok.encode(a, add_special_tokens=False) for a in (" The Danube.", " The Rhine.", " The Nile.",
-                                                                  " The Amazon.")]
-    prompts = [context + a for a in answers]
+    rng = random.Random(4)
+    context = [rng.randrange(3, 49152) for _ in range(60)]
+    prompts = [context + [rng.randrange(3, 49152) for _ in range(rng.randint(3, 6))] for _ in range(4)]
     sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
-    fresh = LLM(default_model_dir, warmup=False, **{**OPTS, "enable_prefix_caching": False}).generate(prompts, sp)
-    llm = LLM(default_model_dir, warmup=False, **OPTS)
+    opts = {**OPTS, "prefill_token_budget": 512}  # all four fit in one step: the others must wait
+    fresh = LLM(tiny_model_dir, warmup=False, **{**opts, "enable_prefix_caching": False}).generate(prompts, sp)
+    llm = LLM(tiny_model_dir, warmup=False, **opts)
     first, *rest = [llm.engine.add_request(p, sp) for p in prompts]
     llm.engine.run_until_done()
     assert first.cached_tokens == 0

@@ -74,9 +74,9 @@ class PrefixCache:
         self.page_size = pool.page_size
         self._root = _h(b"jaxserve-prefix-v1", extra_key.encode())
         self.queries = 0  # prompt tokens looked up at admission (vLLM's prefix_cache_queries)
+        self.hits = 0  # of those, tokens found cached
         # scored page name -> (top alternatives per record, the page's page_size records)
         self.scores: OrderedDict[bytes, tuple[int, list[dict]]] = OrderedDict()
-        self.hits = 0  # of those, tokens found cached
 
     def root(self, cache_salt: str | None) -> bytes:
         return self._root if cache_salt is None else _h(self._root, b"salt:" + cache_salt.encode())
