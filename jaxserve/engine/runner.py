@@ -323,7 +323,9 @@ class ModelRunner:
                                  matmul_impl=self.matmul_impl, interpret=self.cfg.interpret, mesh=self.mesh,
                                  kv_scales=self.kv_scales, fp8_bits=self.fp8_bits)
 
-    def _step(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays):
+    def _prefill(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays):
+        """The model over a prefill's tokens, sampling after each row's last one:
+        (SampleOutput, hidden states [B, T, D], cache)."""
         meta = self._meta(inp)
         with jax.named_scope("model"):  # names the ops in a profile: model/..., sample/...
             hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, inp.tokens, meta, kv_cache)
@@ -331,20 +333,19 @@ class ModelRunner:
             last = hidden[jnp.arange(B), inp.last_index]  # [B, D]
             logits = self._logits(params, last)  # [B, V]
         with jax.named_scope("sample"):
-            return sample(logits, sampling), kv_cache
+            return sample(logits, sampling), hidden, kv_cache
+
+    def _step(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays):
+        out, _, kv_cache = self._prefill(params, kv_cache, inp, sampling)
+        return out, kv_cache
 
     def _scored_step(self, params, kv_cache, inp: StepInputs, sampling: SamplingArrays, targets: jax.Array):
         """A prefill step that also scores every position: targets [B, T] are the tokens that
         follow each fed one (prompt logprobs). Returns ((SampleOutput, PromptScores), cache).
         The logits of all B * T positions are computed SCORE_ROWS at a time, so a [4, 512]
         prefill holds [256, V] of them at once rather than [2048, V]."""
-        meta = self._meta(inp)
-        with jax.named_scope("model"):
-            hidden, kv_cache = self.model.forward_hidden(params, self.model_cfg, inp.tokens, meta, kv_cache)
-            B, T, D = hidden.shape
-            logits = self._logits(params, hidden[jnp.arange(B), inp.last_index])  # [B, V]
-        with jax.named_scope("sample"):
-            out = sample(logits, sampling)
+        out, hidden, kv_cache = self._prefill(params, kv_cache, inp, sampling)
+        B, T, D = hidden.shape
         with jax.named_scope("score"):
             rows = max(c for c in range(1, min(B * T, SCORE_ROWS) + 1) if B * T % c == 0)
             chunks = (hidden.reshape(B * T // rows, rows, D), targets.reshape(B * T // rows, rows))
