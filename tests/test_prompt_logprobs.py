@@ -20,16 +20,18 @@ OPTS = dict(max_num_seqs=4, decode_batch_buckets=(1, 4), context_buckets=(256,),
             prefill_token_budget=128)
 
 
-def expected(params, cfg, ids: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The reference's (logprob of each next prompt token [L - 1], its k best ids [L - 1, k])."""
+def expected(params, cfg, ids: list[int], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The reference's (logprob of each next prompt token [L - 1], its k best ids [L - 1, k],
+    the next token's rank in the vocabulary [L - 1])."""
     logp = np.asarray(jax.nn.log_softmax(reference.paged_logits(params, cfg, ids), -1))[:-1]
-    return logp[np.arange(len(ids) - 1), ids[1:]], np.argsort(-logp, axis=-1, kind="stable")[:, :k]
+    chosen = logp[np.arange(len(ids) - 1), ids[1:]]
+    return chosen, np.argsort(-logp, axis=-1, kind="stable")[:, :k], 1 + (logp > chosen[:, None]).sum(-1)
 
 
-def records(completion) -> tuple[np.ndarray, np.ndarray, list[int]]:
+def records(completion) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
     r = completion.prompt_logprobs
     return (np.array([x["logprob"] for x in r]), np.array([[t for t, _ in x["top"]] for x in r]),
-            [x["token_id"] for x in r])
+            [x["token_id"] for x in r], np.array([x["rank"] for x in r]))
 
 
 def test_prompt_logprobs_equal_the_reference_forward(default_model_dir, default_model):
@@ -42,12 +44,14 @@ def test_prompt_logprobs_equal_the_reference_forward(default_model_dir, default_
     plain = SamplingParams(max_tokens=4, temperature=0)
     outs = llm.generate(prompts + prompts, [scored, scored, plain, plain])  # scored beside plain rows
     for ids, out in zip(prompts, outs[:2]):
-        lp, top, targets = records(out)
-        want_lp, want_top = expected(params, cfg, ids, 3)
+        lp, top, targets, rank = records(out)
+        want_lp, want_top, want_rank = expected(params, cfg, ids, 3)
         assert targets == ids[1:]
         np.testing.assert_allclose(lp, want_lp, atol=1e-4)
         assert (top == want_top).mean() > 0.99  # near-ties may swap ranks past the first decimals
         assert (top[:, 0] == want_top[:, 0]).all()
+        assert (rank == want_rank).mean() > 0.95 and (np.abs(rank - want_rank) <= 0.01 * want_rank + 2).all()
+        assert rank.max() > 20 and (rank[top[:, 0] == np.array(targets)] == 1).all()  # ranks past the alternatives
     assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in outs[2:]]  # scoring does not change a sample
     assert outs[2].prompt_logprobs is None
 
@@ -103,11 +107,11 @@ def test_prompt_logprobs_survive_preemption_by_recompute(tiny_model_dir):
     for p, a, o in zip(prompts, ample, outs):
         assert o.token_ids == a.token_ids
         assert len(o.prompt_logprobs) == len(p) - 1
-        lp, top, targets = records(o)
-        want_lp, want_top, _ = records(a)
+        lp, top, targets, rank = records(o)
+        want_lp, want_top, _, want_rank = records(a)
         assert targets == p[1:]
         np.testing.assert_allclose(lp, want_lp, atol=1e-5)
-        assert (top == want_top).all()
+        assert (top == want_top).all() and (rank == want_rank).all()
 
 
 def test_a_one_token_prompt_has_no_prompt_logprobs(tiny_model_dir):

@@ -301,6 +301,9 @@ BAD = [
     ("suffix", COMPLETIONS, _completion(suffix=" end."), {}, 400, "suffix"),
     ("best-of-above-n", COMPLETIONS, _completion(best_of=3), {}, 400, "best_of"),
     ("echo-string", COMPLETIONS, _completion(echo="yes"), {}, 400, "echo"),
+    ("prompt-logprobs-streamed", COMPLETIONS, _completion(prompt_logprobs=1, stream=True), {}, 400, "prompt_logprobs"),
+    ("prompt-logprobs-whole-vocabulary", CHAT, _chat(prompt_logprobs=-1), {}, 400, "prompt_logprobs"),
+    ("prompt-logprobs-above-20", COMPLETIONS, _completion(prompt_logprobs=21), {}, 400, "prompt_logprobs"),
     ("model-not-string", CHAT, _chat(model=5), {}, 400, "model"),
     ("model-unknown", CHAT, _chat(model="gpt-9"), {}, 404, "model"),
     ("messages-missing", CHAT, {"max_tokens": 4}, {}, 400, "messages"),
@@ -335,6 +338,7 @@ BAD = [
     ("best-of-equal-to-n-and-empty-suffix", COMPLETIONS, _completion(best_of=1, suffix=""), {}, 200, None),
     ("min-tokens-equal-to-max-tokens", COMPLETIONS, _completion(min_tokens=4), {}, 200, None),
     ("echo-with-logprobs", COMPLETIONS, _completion(max_tokens=1, echo=True, logprobs=1), {}, 200, None),
+    ("prompt-logprobs-zero", COMPLETIONS, _completion(max_tokens=1, prompt_logprobs=0), {}, 200, None),
 ]
 
 

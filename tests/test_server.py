@@ -462,6 +462,49 @@ def test_echo_with_logprobs_scores_the_prompt(client, model, tok):
     assert streamed == {"text": more.choices[0].text, "tokens": m.tokens, "token_logprobs": m.token_logprobs}
 
 
+def test_vllm_prompt_logprobs(client, model, tok):
+    """vLLM's prompt_logprobs: per prompt token (the first null) the token's own logprob and rank
+    and k alternatives, keyed by token id; on completions per choice (beside echo's lists, which
+    keep their own k), on chat once for the response; max_tokens 0 scores the prompt alone."""
+    prompt = "The capital of France is Paris"
+    ids = tok.encode(prompt)
+    both = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1,
+                                     extra_body={"prompt_logprobs": 3}).model_dump()["choices"][0]
+    echoed, scored = both["logprobs"], both["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    assert all(len(t) == 1 for t in echoed["top_logprobs"][1:])  # echo's 1, not prompt_logprobs' 3
+    for i, entry in enumerate(scored[1:], 1):
+        own = entry[str(ids[i])]
+        assert own["logprob"] == pytest.approx(echoed["token_logprobs"][i], abs=1e-6)
+        assert own["decoded_token"] == echoed["tokens"][i]
+        ranked = sorted(entry.values(), key=lambda e: e["rank"])
+        assert 3 <= len(entry) <= 4 and [e["rank"] for e in ranked[:3]] == [1, 2, 3]
+        assert [e["logprob"] for e in ranked] == sorted((e["logprob"] for e in ranked), reverse=True)
+        if len(entry) == 3:  # the token is one of the best 3: its rank is its place among them
+            assert own["rank"] == 1 + sum(e["logprob"] > own["logprob"] for e in entry.values())
+        else:
+            assert own["rank"] > 3 and own["logprob"] <= ranked[2]["logprob"]
+    assert any(e[str(t)]["rank"] > 3 for e, t in zip(scored[1:], ids[1:]))  # some token is none of the best 3
+
+    alone = client.completions.create(model=model, prompt=ids, max_tokens=0,
+                                      extra_body={"prompt_logprobs": 0}).model_dump()
+    c = alone["choices"][0]
+    assert c["text"] == "" and c["logprobs"] is None and alone["usage"]["completion_tokens"] == 0
+    assert [list(e) for e in c["prompt_logprobs"][1:]] == [[str(t)] for t in ids[1:]]
+    assert [e[str(t)] for e, t in zip(c["prompt_logprobs"][1:], ids[1:])] == \
+        [e[str(t)] for e, t in zip(scored[1:], ids[1:])]
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0, n=2,
+                                          extra_body={"prompt_logprobs": 1}).model_dump()
+    rendered = tok.encode_chat(messages, True)
+    assert chat["usage"]["prompt_tokens"] == len(rendered) == len(chat["prompt_logprobs"])
+    assert all(str(t) in e for e, t in zip(chat["prompt_logprobs"][1:], rendered[1:]))
+    assert "prompt_logprobs" not in chat["choices"][0]
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0).model_dump()
+    assert "prompt_logprobs" not in plain and [ch["message"] for ch in chat["choices"]] == [plain["choices"][0]["message"]] * 2
+
+
 def test_stop_token_ids_and_skip_special_tokens(client, model, tok):
     """vLLM's extensions. The greedy next token t of the prompt as a stop token id ends the answer
     at once (finish_reason "stop", the stop token not shown). <|im_start|> forced by logit_bias

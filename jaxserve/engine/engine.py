@@ -468,7 +468,7 @@ class Engine:
             t = p - it.start
             top = [(int(a), float(b)) for a, b in zip(scores.top_ids[i, t, :n], scores.top_logprobs[i, t, :n])]
             seq.prompt_logprobs.append({"token_id": seq.prompt_ids[p + 1], "logprob": float(scores.logprobs[i, t]),
-                                        "top": top})
+                                        "rank": int(scores.ranks[i, t]), "top": top})
 
     def _logprobs(self, seq: Sequence, result: StepResult, i: int, j: int) -> dict:
         n = seq.params.logprobs

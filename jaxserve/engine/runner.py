@@ -48,7 +48,7 @@ from jax.sharding import Mesh
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.sampler import (NUM_TOP_LOGPROBS, STOP_ID_SLOTS, SampleOutput, SamplingArrays, gumbel_noise,
-                                     probabilities, sample, token_logprobs, uniform_noise)
+                                     probabilities, ranked_token_logprobs, sample, uniform_noise)
 from jaxserve.engine.sequence import SamplingParams, Sequence
 from jaxserve.engine.speculative import ACCEPT_STREAM, accept_drafts, accepted_lengths
 from jaxserve.layers import cpu_attention, parallel
@@ -96,9 +96,10 @@ class ScheduledItem:
 @struct.dataclass
 class PromptScores:
     """A scored prefill's per-position outputs: at position t of row b, the raw log-probability
-    of the token after it (`targets[b, t]`) and the 20 most likely tokens there."""
+    of the token after it (`targets[b, t]`), its rank there and the 20 most likely tokens."""
 
     logprobs: jax.Array  # [B, T] f32
+    ranks: jax.Array  # [B, T] i32, 1 = the most likely token
     top_ids: jax.Array  # [B, T, 20] i32
     top_logprobs: jax.Array  # [B, T, 20] f32
 
@@ -349,8 +350,10 @@ class ModelRunner:
         with jax.named_scope("score"):
             rows = max(c for c in range(1, min(B * T, SCORE_ROWS) + 1) if B * T % c == 0)
             chunks = (hidden.reshape(B * T // rows, rows, D), targets.reshape(B * T // rows, rows))
-            chosen, top_lp, top_ids = jax.lax.map(lambda c: token_logprobs(self._logits(params, c[0]), c[1]), chunks)
-            scores = PromptScores(logprobs=chosen.reshape(B, T), top_ids=top_ids.reshape(B, T, -1),
+            chosen, rank, top_lp, top_ids = jax.lax.map(
+                lambda c: ranked_token_logprobs(self._logits(params, c[0]), c[1]), chunks)
+            scores = PromptScores(logprobs=chosen.reshape(B, T), ranks=rank.reshape(B, T),
+                                  top_ids=top_ids.reshape(B, T, -1),
                                   top_logprobs=top_lp.reshape(B, T, -1))
         return (out, scores), kv_cache
 

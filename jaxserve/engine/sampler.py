@@ -335,7 +335,20 @@ def _full_sample(logits: jax.Array, s: SamplingArrays) -> SampleOutput:
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array):
     """Raw log-probabilities of the chosen tokens [B] and the top alternatives [B, N] (values, ids)."""
+    return _logprobs_of(jax.nn.log_softmax(logits, axis=-1), tokens)
+
+
+def ranked_token_logprobs(logits: jax.Array, tokens: jax.Array):
+    """token_logprobs and each chosen token's rank in its row [B] (1: the most likely; tokens
+    tied with it share its rank), which vLLM's prompt logprobs report: a prompt token is
+    often far outside the top alternatives. Only scored prefills pay the extra pass over V."""
     raw = jax.nn.log_softmax(logits, axis=-1)
+    chosen, top_lp, top_ids = _logprobs_of(raw, tokens)
+    rank = 1 + jnp.sum(raw > chosen[:, None], axis=-1, dtype=jnp.int32)
+    return chosen, rank, top_lp, top_ids
+
+
+def _logprobs_of(raw: jax.Array, tokens: jax.Array):
     top_lp, top_ids = top_k(raw, min(NUM_TOP_LOGPROBS, raw.shape[-1]))
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     return chosen, top_lp, top_ids.astype(jnp.int32)

@@ -91,6 +91,7 @@ class ChoiceResult:
     completion_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list[dict] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, formatted
     error: str | None = None
 
 
@@ -390,15 +391,21 @@ class Responder:
         return {"data": json.dumps(obj, ensure_ascii=False)}
 
     async def whole(self, choices: list[Choice]) -> dict:
+        req = self.req
         results = {c.index: ChoiceResult(text=self.echo[c.prompt_index] if self.echo else "") for c in choices}
-        unechoed = {c.index: c for c in choices} if self.echo is not None else {}
+        # a choice's first event carries its prompt's records: echoed, or vLLM's prompt_logprobs, or both
+        unscored = {c.index: c for c in choices} if self.echo is not None or req.prompt_logprobs is not None else {}
         async for index, item in self._events(choices):
             err = _error_of(item)
             if err is not None:
                 raise err
             r = results[index]
-            if index in unechoed:
-                r.logprobs.extend(self._prompt_records(unechoed.pop(index), item))
+            if index in unscored:
+                prompt = self._prompt_records(unscored.pop(index), item)
+                if self.echo is not None:  # the engine kept max(logprobs, prompt_logprobs) alternatives
+                    r.logprobs.extend({**x, "top": x["top"][:req.logprobs]} if x["top"] else x for x in prompt)
+                if req.prompt_logprobs is not None:
+                    r.prompt_logprobs = self.fmt.prompt(prompt, req.prompt_logprobs)
             token_ids, text, records = self._output(item)
             r.text += text
             r.completion_tokens += len(token_ids)
@@ -409,10 +416,10 @@ class Responder:
             raise APIError(504, f"the request timed out after {self.req.timeout} s before it produced a token",
                            param="timeout", code="timeout", type="timeout_error")
         use = self.usage(sum(r.completion_tokens for r in results.values()))
-        if self.req.chat:
+        if req.chat:
             out = [P.chat_choice(i, r.text, r.finish_reason, self._logprobs(r.logprobs)) for i, r in results.items()]
-            return P.chat_response(self.rid, self.served.name, out, use)
-        out = [P.completion_choice(i, r.text, r.finish_reason, self._logprobs(r.logprobs))
+            return P.chat_response(self.rid, self.served.name, out, use, results[0].prompt_logprobs)
+        out = [P.completion_choice(i, r.text, r.finish_reason, self._logprobs(r.logprobs), r.prompt_logprobs)
                for i, r in results.items()]
         return P.completion_response(self.rid, self.served.name, out, use)
 

@@ -68,7 +68,16 @@ _SAMPLING = {
                  "description": "lower is more urgent; or a priority class name"},
     "timeout": _num(0, lo_open=True, doc="seconds from arrival; then the request ends with finish_reason timeout"),
     "cache_salt": {"type": "string", "minLength": 1, "description": "requests with different salts share no KV page"},
+    "prompt_logprobs": _num(0, SamplingParams.MAX_LOGPROBS, integer=True, doc="vLLM's: each prompt token's "
+                            "logprob and rank and this many alternatives, in the answer's prompt_logprobs; "
+                            "not with stream"),
 }
+
+# vLLM's prompt_logprobs: null for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+_PROMPT_LOGPROBS = {"type": "array", "items": _nullable({"type": "object", "additionalProperties": {
+    "type": "object", "properties": {"logprob": {"type": "number"}, "rank": {"type": "integer", "minimum": 1},
+                                     "decoded_token": {"type": "string"}},
+    "required": ["logprob", "rank", "decoded_token"]}})}
 
 _MESSAGE = {
     "type": "object",
@@ -115,8 +124,8 @@ _COMPLETION_REQUEST = {
                              _TOKEN_IDS,
                              {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]},
         "logprobs": _num(0, SamplingParams.MAX_LOGPROBS, integer=True),
-        "max_tokens": _num(0, INT32_MAX, integer=True, doc="0 only with echo (score the prompt); default: up to "
-                           "the context length (or the server's cap)"),
+        "max_tokens": _num(0, INT32_MAX, integer=True, doc="0 only with echo or prompt_logprobs (score the "
+                           "prompt); default: up to the context length (or the server's cap)"),
         "echo": {"type": "boolean", "description": "the text starts with the prompt's; with logprobs, so do the "
                  "logprobs (the first prompt token's are null)"},
         "suffix": {"type": "string", "maxLength": 0, "description": "fill in the middle is not supported: "
@@ -137,13 +146,13 @@ _USAGE = {
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
 }
 
-def _response(obj: str, choice: dict, choice_required: list[str]) -> dict:
+def _response(obj: str, choice: dict, choice_required: list[str], **extra: dict) -> dict:
     """A whole chat or completion answer: OpenAI's envelope around choices of `choice`'s fields."""
     return {
         "type": "object",
         "properties": {
             "id": {"type": "string"}, "object": {"const": obj}, "created": {"type": "integer"},
-            "model": {"type": "string"}, "usage": _USAGE,
+            "model": {"type": "string"}, "usage": _USAGE, **extra,
             "choices": {"type": "array", "items": {
                 "type": "object",
                 "properties": {"index": {"type": "integer"}, "finish_reason": _FINISH,
@@ -156,8 +165,9 @@ def _response(obj: str, choice: dict, choice_required: list[str]) -> dict:
 
 _CHAT_RESPONSE = _response("chat.completion", {"message": {
     "type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
-    "required": ["role", "content"]}}, ["message"])
-_COMPLETION_RESPONSE = _response("text_completion", {"text": {"type": "string"}}, ["text"])
+    "required": ["role", "content"]}}, ["message"], prompt_logprobs=_PROMPT_LOGPROBS)
+_COMPLETION_RESPONSE = _response("text_completion", {"text": {"type": "string"},
+                                                     "prompt_logprobs": _PROMPT_LOGPROBS}, ["text"])
 
 _ERROR = {
     "type": "object",

@@ -305,13 +305,21 @@ class GenerationRequest:
     cache_salt: str | None = None  # vLLM's field: requests with different salts share no cached KV page
     chat_template: ChatTemplateOptions | None = None  # chat: how the conversation becomes the prompt
     echo: bool = False  # completions: the answer's text (and with logprobs, its logprobs) starts with the prompt's
+    prompt_logprobs: int | None = None  # vLLM's field: each prompt token's logprob, rank and k alternatives
+
+    @property
+    def scores_prompt(self) -> int | None:
+        """How many alternatives the engine keeps per prompt token (None: it scores no prompt):
+        echo with logprobs and vLLM's prompt_logprobs read the same records."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(wanted) if wanted else None
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """Choice i of n draws with seed + i, so n seeded choices differ yet each is reproducible.
         max_tokens 0 asks the engine for one token (the prefill samples it anyway), dropped."""
         seed = None if self.seed is None else (self.seed + choice) & 0xFFFFFFFF
         return SamplingParams(max_tokens=max(max_tokens, 1), seed=seed, logprobs=self.logprobs,
-                              prompt_logprobs=self.logprobs if self.echo else None, **self.sampling)
+                              prompt_logprobs=self.scores_prompt, **self.sampling)
 
 
 _TEMPLATE_OWN_NAMES = ("messages", "add_generation_prompt")
@@ -335,14 +343,24 @@ def _chat_template_options(body: dict) -> ChatTemplateOptions:
     return ChatTemplateOptions(add, cont, kwargs)
 
 
-def _completion_only_features(body: dict, n: int, max_tokens: int | None) -> bool:
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    """vLLM's `prompt_logprobs`: k alternatives per prompt token (0: the token's own logprob and
+    rank alone). Not streamed (as in vLLM): they would all come in the first chunk anyway."""
+    k = _field(body, "prompt_logprobs", int, None, lo=0, hi=SamplingParams.MAX_LOGPROBS)
+    if k is not None and stream:
+        raise bad("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs",
+                  code="invalid_value")
+    return k
+
+
+def _completion_only_features(body: dict, n: int, max_tokens: int | None, prompt_logprobs: int | None) -> bool:
     """`echo` (with `logprobs`: the prompt's tokens scored too, and max_tokens 0 for a prompt
     scored alone: how evaluation harnesses score text); `suffix` and `best_of` past n are
     400s: this server does not fill in the middle or rank candidates."""
     echo = _field(body, "echo", bool, False)
-    if max_tokens == 0 and not echo:
-        raise bad("'max_tokens' 0 generates nothing: it is for scoring a prompt, with 'echo' true (and 'logprobs')",
-                  param="max_tokens", code="invalid_value")
+    if max_tokens == 0 and not echo and prompt_logprobs is None:
+        raise bad("'max_tokens' 0 generates nothing: it is for scoring a prompt, with 'echo' true (and 'logprobs') "
+                  "or with 'prompt_logprobs'", param="max_tokens", code="invalid_value")
     suffix = _field(body, "suffix", str, None)
     if suffix:
         raise bad("'suffix' (fill in the middle) is not supported by this server", param="suffix",
@@ -401,7 +419,8 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
         raise bad(f"'min_tokens' ({sampling['min_tokens']}) must not exceed 'max_tokens' ({max_tokens})",
                   param="min_tokens", code="invalid_value")
     template = _chat_template_options(body) if chat else None
-    echo = False if chat else _completion_only_features(body, n, max_tokens)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    echo = False if chat else _completion_only_features(body, n, max_tokens, prompt_logprobs)
     seed = _field(body, "seed", int, None, lo=-(2**63), hi=2**64 - 1)
     user = body.get("user") if isinstance(body.get("user"), str) else None
     return GenerationRequest(chat=chat, model=model, messages=messages, prompts=prompts, stream=stream,
@@ -409,7 +428,8 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
                              sampling=sampling, seed=seed, user=user,
                              priority=_priority(body),
                              timeout=_field(body, "timeout", float, None, lo=0, lo_open=True),
-                             cache_salt=_cache_salt(body), chat_template=template, echo=echo)
+                             cache_salt=_cache_salt(body), chat_template=template, echo=echo,
+                             prompt_logprobs=prompt_logprobs)
 
 
 def _cache_salt(body: dict) -> str | None:
@@ -459,10 +479,32 @@ class LogprobFormatter:
             text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def prompt(self, records: list[dict], k: int) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, null for the first, then {token id (a
+        string in JSON): {logprob, rank, decoded_token}} holding the prompt token itself and
+        the k most likely there (one entry when it is among them)."""
+        out: list[dict | None] = []
+        for r in records:
+            if r["logprob"] is None:
+                out.append(None)
+                continue
+            entry = {str(r["token_id"]): self._ranked(r["token_id"], r["logprob"], r["rank"])}
+            for i, (t, lp) in enumerate(r["top"][:k]):
+                entry.setdefault(str(t), self._ranked(t, lp, i + 1))
+            out.append(entry)
+        return out
 
-def chat_response(rid: str, model: str, choices: list[dict], use: dict) -> dict:
-    return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": use}
+    def _ranked(self, token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token_id)}
+
+
+def chat_response(rid: str, model: str, choices: list[dict], use: dict, prompt_logprobs: list | None = None) -> dict:
+    """prompt_logprobs (vLLM's, when asked for) is the response's: every choice shares the prompt."""
+    out = {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()), "model": model,
+           "choices": choices, "usage": use}
+    if prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs
+    return out
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
@@ -493,8 +535,13 @@ def completion_response(rid: str, model: str, choices: list[dict], use: dict) ->
             "choices": choices, "usage": use}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+                      prompt_logprobs: list | None = None) -> dict:
+    """prompt_logprobs (vLLM's, when asked for) is the choice's: a request may hold several prompts."""
+    out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs
+    return out
 
 
 def completion_chunk(rid: str, model: str, created: int, choices: list[dict], include_usage: bool,
