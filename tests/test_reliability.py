@@ -116,7 +116,8 @@ def wait_idle(server: ServerProcess, within: float = 60.0) -> dict:
 
 ROUTES = {"/v1/chat/completions": "post", "/v1/completions": "post", "/v1/models": "get",
           "/v1/models/{name}": "get", "/health": "get", "/version": "get", "/stats": "get", "/metrics": "get",
-          "/dashboard": "get", "/openapi.json": "get", "/debug/profile": "post"}
+          "/dashboard": "get", "/openapi.json": "get", "/debug/profile": "post", "/tokenize": "post",
+          "/detokenize": "post"}
 
 
 def test_openapi_document_describes_every_route(server):
@@ -185,6 +186,7 @@ def test_fuzzing_the_openapi_document_finds_no_5xx_and_no_bad_error_shape(server
         assert {(f"POST {path}", GenerationMode.POSITIVE), (f"POST {path}", GenerationMode.NEGATIVE)} <= tried
     # it reached the engine, and the checks refused
     assert generated.count("/v1/chat/completions") >= 10 and generated.count("/v1/completions") >= 10, seen
+    assert generated.count("/tokenize") >= 10 and generated.count("/detokenize") >= 5, seen
     assert seen.get(400, 0) > 50, seen
     wait_idle(server)
 
@@ -327,6 +329,14 @@ BAD = [
     ("prompt-ids-out-of-vocab", COMPLETIONS, _completion(prompt=[1, 10**9]), {}, 400, "prompt"),
     ("prompt-ids-negative", COMPLETIONS, _completion(prompt=[1, -5]), {}, 400, "prompt"),
     ("prompt-too-long", COMPLETIONS, _completion(prompt=f"{MARKER} " * 600), {}, 400, "prompt"),
+    ("tokenize-prompt-and-messages", "/tokenize", {"prompt": "a", "messages": Q}, {}, 400, "prompt"),
+    ("tokenize-nothing", "/tokenize", {"return_token_strs": True}, {}, 400, "prompt"),
+    ("tokenize-token-ids", "/tokenize", {"prompt": [1, 2]}, {}, 400, "prompt"),
+    ("tokenize-chat-special-tokens", "/tokenize", {"messages": Q, "add_special_tokens": True}, {}, 400,
+     "add_special_tokens"),
+    ("tokenize-unknown-model", "/tokenize", {"prompt": "a", "model": "gpt-9"}, {}, 404, "model"),
+    ("detokenize-out-of-vocab", "/detokenize", {"tokens": [1, 10**9]}, {}, 400, "tokens"),
+    ("detokenize-text", "/detokenize", {"tokens": "hello"}, {}, 400, "tokens"),
     ("unknown-route", "/v1/embeddings", {"input": "x"}, {}, 404, None),
     ("wrong-method", "/v1/models", {}, {}, 405, None),
     # Odd but valid: answered, not refused

@@ -505,6 +505,34 @@ def test_vllm_prompt_logprobs(client, model, tok):
     assert "prompt_logprobs" not in plain and [ch["message"] for ch in chat["choices"]] == [plain["choices"][0]["message"]] * 2
 
 
+def test_tokenize_and_detokenize(client, model, tok, server):
+    """vLLM's /tokenize and /detokenize: a prompt's ids are the tokenizer's, a conversation's are
+    what a chat request with the same messages and template options counts as its prompt, and
+    /detokenize gives the text back."""
+    def post(path, **body):
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    prompt = "Tokens, tokens: naïve café 🙂!"
+    out = post("/tokenize", model=model, prompt=prompt, return_token_strs=True)
+    assert out["tokens"] == tok.encode(prompt) and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == client.models.retrieve(model).model_dump()["max_model_len"]
+    assert out["token_strs"] == [tok.decode([t], skip_special_tokens=False) for t in out["tokens"]]
+    assert post("/tokenize", prompt=prompt)["token_strs"] is None
+    assert post("/detokenize", model=model, tokens=out["tokens"])["prompt"] == prompt
+
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour"}]
+    for options in ({}, {"add_generation_prompt": False, "continue_final_message": True}):
+        ids = post("/tokenize", messages=messages, **options)["tokens"]
+        used = client.chat.completions.create(model=model, messages=messages, max_tokens=1,
+                                              extra_body=options).usage.prompt_tokens
+        assert ids == tok.encode_chat(messages, not options, continue_final_message=bool(options))
+        assert len(ids) == used
+    rendered = post("/detokenize", tokens=ids)["prompt"]
+    assert rendered.startswith("<|im_start|>") and rendered.endswith("The colour")
+
+
 def test_stop_token_ids_and_skip_special_tokens(client, model, tok):
     """vLLM's extensions. The greedy next token t of the prompt as a stop token id ends the answer
     at once (finish_reason "stop", the stop token not shown). <|im_start|> forced by logit_bias

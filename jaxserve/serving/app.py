@@ -49,7 +49,7 @@ from jaxserve.serving.openapi import openapi_document
 from jaxserve.serving.protocol import APIError
 from jaxserve.serving.registry import ModelRegistry, Runner, ServedModel
 from jaxserve.serving.tracing import REQUEST_ID, RequestSpan, request_id_from
-from jaxserve.tokenizer import ChatTemplateError
+from jaxserve.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -185,17 +185,7 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
                     param="max_tokens", code="invalid_value")
     limits, tok = served.limits, served.tokenizer
     if req.chat:
-        try:
-            t = req.chat_template or P.ChatTemplateOptions()
-            prompts = [tok.encode_chat(req.messages, t.add_generation_prompt,
-                                       continue_final_message=t.continue_final_message, template_kwargs=t.kwargs)]
-        except ChatTemplateError as e:
-            raise P.bad(str(e), param="messages", code="invalid_messages") from None
-        except Exception as e:  # noqa: BLE001 - the client's own template variables broke the template
-            if not t.kwargs:
-                raise
-            raise P.bad(f"the chat template failed with these chat_template_kwargs: {type(e).__name__}: {e}",
-                        param="chat_template_kwargs", code="invalid_value") from None
+        prompts = [render_chat(tok, req.messages, req.chat_template)]
     else:
         prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
     param = "messages" if req.chat else "prompt"
@@ -229,6 +219,22 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
         choices.extend(Choice(pi * req.n + j, pi, ids, params[j], req.priority, req.timeout, arrival, cache_salt)
                        for j in range(req.n))
     return choices, [len(ids) for ids in prompts]
+
+
+def render_chat(tok: Tokenizer, messages: list[dict], template: P.ChatTemplateOptions | None) -> list[int]:
+    """The conversation's prompt ids; a template that refuses the client's messages or its
+    chat_template_kwargs is the client's 400 naming that field."""
+    t = template or P.ChatTemplateOptions()
+    try:
+        return tok.encode_chat(messages, t.add_generation_prompt, continue_final_message=t.continue_final_message,
+                               template_kwargs=t.kwargs)
+    except ChatTemplateError as e:
+        raise P.bad(str(e), param="messages", code="invalid_messages") from None
+    except Exception as e:  # noqa: BLE001 - the client's own template variables broke the template
+        if not t.kwargs:
+            raise
+        raise P.bad(f"the chat template failed with these chat_template_kwargs: {type(e).__name__}: {e}",
+                    param="chat_template_kwargs", code="invalid_value") from None
 
 
 # Responses -----------------------------------------------------------------------------
@@ -651,6 +657,33 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         return JSONResponse(openapi_document(_version(), registry.names, cfg.max_n, cfg.max_tokens_limit,
                                              cfg.admission.priority_classes))
 
+    async def tokenize(request: Request, rid: str):
+        """vLLM's /tokenize: a prompt's or a conversation's token ids as generation would see them,
+        and the context length they count against (clients check a prompt fits before sending)."""
+        P.check_content_type(request.headers.get("content-type"))
+        req = P.parse_tokenize(P.parse_json(await read_body(request, cfg.max_body_bytes)))
+        served = registry.get(req.model)
+        tok = served.tokenizer
+        if req.messages is not None:
+            ids = render_chat(tok, req.messages, req.chat_template)
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        strs = [tok.decode([i], skip_special_tokens=False) for i in ids] if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": served.limits.max_request_tokens, "tokens": ids,
+                             "token_strs": strs})
+
+    async def detokenize(request: Request, rid: str):
+        """vLLM's /detokenize: token ids back to text, special tokens included."""
+        P.check_content_type(request.headers.get("content-type"))
+        model, ids = P.parse_detokenize(P.parse_json(await read_body(request, cfg.max_body_bytes)))
+        served = registry.get(model)
+        vocab = served.limits.vocab_size
+        outside = [t for t in ids if not 0 <= t < vocab]
+        if outside:
+            raise P.bad(f"token id {outside[0]} is not in the vocabulary [0, {vocab})", param="tokens",
+                        code="invalid_value")
+        return JSONResponse({"prompt": served.tokenizer.decode(ids, skip_special_tokens=False)})
+
     async def chat_completions(request: Request, rid: str):
         return await generation(request, rid, chat=True)
 
@@ -686,6 +719,8 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         Route("/v1/models/{name:path}", api(model), methods=["GET"]),
         Route("/v1/chat/completions", api(chat_completions), methods=["POST"]),
         Route("/v1/completions", api(completions), methods=["POST"]),
+        Route("/tokenize", api(tokenize), methods=["POST"]),
+        Route("/detokenize", api(detokenize), methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan,
                     middleware=[Middleware(HeaderLimit, limit=cfg.max_header_bytes)])

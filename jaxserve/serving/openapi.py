@@ -135,6 +135,38 @@ _COMPLETION_REQUEST = {
     "required": ["prompt"],
 }
 
+_TOKENIZE_REQUEST = {
+    "description": "vLLM's /tokenize: either a prompt (text) or messages (rendered by the chat template)",
+    "oneOf": [
+        {"type": "object", "properties": {
+            "model": _SAMPLING["model"], "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"},
+            "return_token_strs": {"type": "boolean"}}, "required": ["prompt"], "not": {"required": ["messages"]}},
+        {"type": "object", "properties": {
+            "model": _SAMPLING["model"], "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
+            "add_generation_prompt": _CHAT_REQUEST["properties"]["add_generation_prompt"],
+            "continue_final_message": _CHAT_REQUEST["properties"]["continue_final_message"],
+            "chat_template_kwargs": _CHAT_REQUEST["properties"]["chat_template_kwargs"],
+            "add_special_tokens": {"const": False, "description": "the template writes the special tokens"},
+            "return_token_strs": {"type": "boolean"}}, "required": ["messages"], "not": {"required": ["prompt"]}},
+    ],
+}
+
+_TOKENIZE_RESPONSE = {
+    "type": "object",
+    "properties": {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                   "tokens": {"type": "array", "items": {"type": "integer"}},
+                   "token_strs": _nullable({"type": "array", "items": {"type": "string"}})},
+    "required": ["count", "max_model_len", "tokens", "token_strs"],
+}
+
+_DETOKENIZE_REQUEST = {
+    "type": "object",
+    "properties": {"model": _SAMPLING["model"],
+                   "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                              "description": "ids in the model's vocabulary (400 otherwise)"}},
+    "required": ["tokens"],
+}
+
 _FINISH = _nullable({"enum": ["stop", "length", "abort", "timeout", "error"]})
 
 _USAGE = {
@@ -214,6 +246,14 @@ def _generation(summary: str, request: str, response: str) -> dict:
             **_errors(400, 401, 404, 413, 415, 431, 429, 503, 504)}}}
 
 
+def _post(summary: str, request: str, response: dict) -> dict:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {"200": {"description": "OK", "content": _json(response)}, **_errors(400, 401, 404, 413, 415,
+                                                                                           431, 503)}}}
+
+
 def _get(summary: str, content: dict, *errors: int) -> dict:
     return {"get": {"summary": summary, "responses": {"200": {"description": "OK", "content": content},
                                                       **_errors(*errors)}}}
@@ -247,6 +287,11 @@ def openapi_document(version: str, models: list[str] | None = None, max_n: int |
     for name, schema in (("ChatCompletionRequest", _CHAT_REQUEST), ("CompletionRequest", _COMPLETION_REQUEST)):
         fields = {k: v for k, v in served.items() if k in schema["properties"]}
         requests[name] = {**schema, "properties": {**schema["properties"], **fields}}
+    model = {"model": served["model"]} if "model" in served else {}
+    requests["TokenizeRequest"] = {**_TOKENIZE_REQUEST, "oneOf": [
+        {**one, "properties": {**one["properties"], **model}} for one in _TOKENIZE_REQUEST["oneOf"]]}
+    requests["DetokenizeRequest"] = {**_DETOKENIZE_REQUEST,
+                                     "properties": {**_DETOKENIZE_REQUEST["properties"], **model}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "jaxserve", "version": version,
@@ -261,6 +306,11 @@ def openapi_document(version: str, models: list[str] | None = None, max_n: int |
                 "summary": "One served model",
                 "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": {"200": {"description": "OK", "content": _json(_ref("Model"))}, **_errors(401, 404)}}},
+            "/tokenize": _post("Token ids of a prompt or a conversation (vLLM's)", "TokenizeRequest",
+                               _TOKENIZE_RESPONSE),
+            "/detokenize": _post("Text of token ids (vLLM's)", "DetokenizeRequest",
+                                 {"type": "object", "properties": {"prompt": {"type": "string"}},
+                                  "required": ["prompt"]}),
             "/health": {"get": {"summary": "200 when every model serves; 503 while loading, draining or failed",
                                 "responses": {"200": {"description": "OK", "content": _json(_ref("Health"))},
                                               "503": {"description": "not serving",

@@ -373,9 +373,7 @@ def _completion_only_features(body: dict, n: int, max_tokens: int | None, prompt
 
 
 def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("'model' must be a string", param="model", code="invalid_type")
+    model = _model(body)
     messages = _messages(body) if chat else None
     prompts = None if chat else _prompts(body)
     stream = _field(body, "stream", bool, False)
@@ -430,6 +428,53 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
                              timeout=_field(body, "timeout", float, None, lo=0, lo_open=True),
                              cache_salt=_cache_salt(body), chat_template=template, echo=echo,
                              prompt_logprobs=prompt_logprobs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenizeRequest:
+    """vLLM's /tokenize: a completion's `prompt` (text) or a chat's `messages` (rendered by
+    the model's template as a chat request would be), and whether to return each token's text."""
+
+    model: str | None
+    prompt: str | None
+    messages: list[dict] | None
+    chat_template: ChatTemplateOptions | None
+    add_special_tokens: bool
+    return_token_strs: bool
+
+
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string", param="model", code="invalid_type")
+    return model
+
+
+def parse_tokenize(body: dict) -> TokenizeRequest:
+    chat = body.get("messages") is not None
+    if chat == (body.get("prompt") is not None):
+        raise bad("/tokenize takes either 'prompt' (text) or 'messages', not both nor neither",
+                  param="prompt", code="invalid_value")
+    prompt = None if chat else body["prompt"]
+    if prompt is not None and not isinstance(prompt, str):
+        raise bad("'prompt' must be a string here (a list of token ids is already tokenized)", param="prompt",
+                  code="invalid_type")
+    add_special = _field(body, "add_special_tokens", bool, not chat)
+    if chat and add_special:
+        raise bad("'add_special_tokens' with 'messages': the chat template writes the special tokens itself",
+                  param="add_special_tokens", code="invalid_value")
+    return TokenizeRequest(model=_model(body), prompt=prompt, messages=_messages(body) if chat else None,
+                           chat_template=_chat_template_options(body) if chat else None,
+                           add_special_tokens=add_special,
+                           return_token_strs=_field(body, "return_token_strs", bool, False))
+
+
+def parse_detokenize(body: dict) -> tuple[str | None, list[int]]:
+    """vLLM's /detokenize: (model, token ids); the ids are checked against the vocabulary by the app."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_integral(t) for t in tokens):
+        raise bad("'tokens' must be a list of token ids (integers)", param="tokens", code="invalid_type")
+    return _model(body), _ints(tokens)
 
 
 def _cache_salt(body: dict) -> str | None:
