@@ -185,6 +185,20 @@ def _unsupported_features(body: dict) -> None:
         if body.get(name):  # null or an empty list asks for nothing
             raise bad(f"'{name}' (tool calling) is not supported by this server", param=name,
                       code="unsupported_value")
+    for name, what in _UNSUPPORTED_VLLM_FIELDS.items():
+        if body.get(name) not in (None, [], {}, ""):
+            raise bad(f"'{name}' ({what}) is not supported by this server", param=name, code="unsupported_value")
+
+
+# vLLM's fields that constrain the output: a client that sends one relies on it, so it is
+# refused rather than answered with unconstrained text.
+_UNSUPPORTED_VLLM_FIELDS = {
+    "guided_json": "JSON-schema-guided output", "guided_regex": "regex-guided output",
+    "guided_choice": "output restricted to given choices", "guided_grammar": "grammar-guided output",
+    "structural_tag": "structural-tag-guided output", "structured_outputs": "structured output",
+    "bad_words": "banned words", "allowed_token_ids": "output restricted to given token ids",
+    "logits_processors": "custom logits processors",
+}
 
 
 def _stop(body: dict) -> tuple[str, ...]:
