@@ -292,6 +292,13 @@ BAD = [
     ("tools", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tools"),
     ("functions", CHAT, _chat(functions=[{"name": "f", "parameters": {"type": "object"}}]), {}, 400, "functions"),
     ("cache-salt-empty", CHAT, _chat(cache_salt=""), {}, 400, "cache_salt"),
+    ("truncate-prompt-tokens-zero", COMPLETIONS, _completion(truncate_prompt_tokens=0), {}, 400,
+     "truncate_prompt_tokens"),
+    ("truncate-prompt-tokens-with-echo", COMPLETIONS, _completion(truncate_prompt_tokens=2, echo=True), {}, 400,
+     "truncate_prompt_tokens"),
+    ("return-token-ids-string", CHAT, _chat(return_token_ids="yes"), {}, 400, "return_token_ids"),
+    ("continuous-usage-stats-string", CHAT, _chat(stream=True, stream_options={"include_usage": True,
+                                                  "continuous_usage_stats": 1}), {}, 400, "continuous_usage_stats"),
     ("vllm-guided-choice", CHAT, _chat(guided_choice=["yes", "no"]), {}, 400, "guided_choice"),
     ("vllm-guided-json", COMPLETIONS, _completion(guided_json={"type": "object"}), {}, 400, "guided_json"),
     ("vllm-structured-outputs", CHAT, _chat(structured_outputs={"regex": "[0-9]+"}), {}, 400, "structured_outputs"),
@@ -353,6 +360,7 @@ BAD = [
     ("best-of-equal-to-n-and-empty-suffix", COMPLETIONS, _completion(best_of=1, suffix=""), {}, 200, None),
     ("min-tokens-equal-to-max-tokens", COMPLETIONS, _completion(min_tokens=4), {}, 200, None),
     ("echo-with-logprobs", COMPLETIONS, _completion(max_tokens=1, echo=True, logprobs=1), {}, 200, None),
+    ("truncate-prompt-tokens-to-the-context", CHAT, _chat(truncate_prompt_tokens=-1), {}, 200, None),
     ("prompt-logprobs-zero", COMPLETIONS, _completion(max_tokens=1, prompt_logprobs=0), {}, 200, None),
 ]
 

@@ -533,6 +533,49 @@ def test_tokenize_and_detokenize(client, model, tok, server):
     assert rendered.startswith("<|im_start|>") and rendered.endswith("The colour")
 
 
+def test_vllm_token_id_fields(client, model, tok):
+    """vLLM's return_token_ids (the prompt's ids and each choice's, whole and streamed),
+    return_tokens_as_token_ids (logprob tokens as "token_id:N"), continuous_usage_stats (the
+    usage so far in every chunk) and truncate_prompt_tokens (the prompt's last k tokens)."""
+    prompt = "Write the numbers from one to ten in words:"
+    ids = tok.encode(prompt)
+    opts = dict(model=model, max_tokens=6, temperature=0)
+    whole = client.completions.create(prompt=prompt, extra_body={"return_token_ids": True}, **opts).model_dump()
+    c = whole["choices"][0]
+    assert c["prompt_token_ids"] == ids and len(c["token_ids"]) == whole["usage"]["completion_tokens"] == 6
+    assert tok.decode(c["token_ids"]) == c["text"]
+    assert "token_ids" not in client.completions.create(prompt=prompt, **opts).model_dump()["choices"][0]
+
+    pieces = [ch.model_dump() for ch in client.completions.create(
+        prompt=prompt, logprobs=1, stream=True, stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, **opts)]
+    firsts = [p["choices"][0] for p in pieces if p["choices"] and "prompt_token_ids" in p["choices"][0]]
+    assert len(firsts) == 1 and firsts[0]["prompt_token_ids"] == ids
+    streamed = [t for p in pieces for ch in p["choices"] for t in ch["token_ids"]]
+    as_ids = [int(t.removeprefix("token_id:")) for p in pieces for ch in p["choices"] if ch["logprobs"]
+              for t in ch["logprobs"]["tokens"]]
+    assert streamed == as_ids == c["token_ids"]
+    used = [p["usage"]["completion_tokens"] for p in pieces]  # every chunk has the usage so far
+    assert used == sorted(used) and used[-1] == 6 and all(p["usage"]["prompt_tokens"] == len(ids) for p in pieces)
+
+    messages = [{"role": "user", "content": "Say hello."}]
+    chat = client.chat.completions.create(messages=messages, extra_body={"return_token_ids": True},
+                                          **opts).model_dump()
+    assert chat["prompt_token_ids"] == tok.encode_chat(messages, True)
+    assert tok.decode(chat["choices"][0]["token_ids"]) == chat["choices"][0]["message"]["content"]
+    chunks = [ch.model_dump() for ch in client.chat.completions.create(
+        messages=messages, stream=True, extra_body={"return_token_ids": True}, **opts)]
+    assert chunks[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert all("prompt_token_ids" not in ch for ch in chunks[1:])
+    assert [t for ch in chunks for x in ch["choices"] for t in x.get("token_ids") or []] == \
+        chat["choices"][0]["token_ids"]
+
+    cut = client.completions.create(prompt=prompt, extra_body={"truncate_prompt_tokens": 4}, **opts)
+    assert cut.usage.prompt_tokens == 4
+    assert cut.choices[0].text == client.completions.create(prompt=ids[-4:], **opts).choices[0].text
+
+
 def test_stop_token_ids_and_skip_special_tokens(client, model, tok):
     """vLLM's extensions. The greedy next token t of the prompt as a stop token id ends the answer
     at once (finish_reason "stop", the stop token not shown). <|im_start|> forced by logit_bias

@@ -92,6 +92,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     logprobs: list[dict] = dataclasses.field(default_factory=list)
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, formatted
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # what the client sees (return_token_ids)
     error: str | None = None
 
 
@@ -190,6 +191,9 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
         prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
     param = "messages" if req.chat else "prompt"
     limit = limits.max_request_tokens
+    if req.truncate_prompt_tokens is not None:  # vLLM's: the prompt's end is what the answer follows
+        keep = limit if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+        prompts = [ids[-keep:] for ids in prompts]
     choices = []
     for pi, ids in enumerate(prompts):
         max_tokens = req.max_tokens
@@ -261,11 +265,14 @@ class Responder:
         self.started = time.monotonic()
         self.prompt_tokens = sum(prompt_lens)
         tok = served.tokenizer
-        self.fmt = P.LogprobFormatter(lambda i: tok.decode([i], skip_special_tokens=False))
+        self.fmt = P.LogprobFormatter((lambda i: f"token_id:{i}") if req.tokens_as_ids else
+                                      (lambda i: tok.decode([i], skip_special_tokens=False)))
         # completions' echo: each prompt's text, as sent (token ids: decoded), before its choices' text
         self.echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)
                      for p in req.prompts] if req.echo else None
         self.scoring_only = req.max_tokens == 0  # echo and score the prompt; drop the one token sampled
+        self.completion_tokens = 0  # streamed so far, all choices (continuous usage)
+        self.unsent_prompt_ids: dict[int, list[int]] = {}  # return_token_ids: each completion choice's, once
         self.created = int(time.time())
 
     async def _events(self, choices: list[Choice]) -> AsyncIterator[tuple[int, TokenEvent | Exception]]:
@@ -340,13 +347,23 @@ class Responder:
         return ev.token_ids, ev.text, ev.logprobs or []
 
     def _chunk(self, choices: list[dict], use: dict | None = None) -> dict:
+        """A stream chunk; with continuous usage stats, every chunk says the usage so far."""
         build = P.chat_chunk if self.req.chat else P.completion_chunk
+        if use is None and self.req.continuous_usage:
+            use = self.usage(self.completion_tokens)
         return build(self.rid, self.served.name, self.created, choices, self.req.include_usage, use)
 
-    def _piece(self, index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
+    def _piece(self, index: int, text: str, finish: str | None, logprobs: dict | None,
+               token_ids: list[int] = ()) -> dict:
         if self.req.chat:
-            return P.chat_delta(index, {"content": text} if text or finish is None else {}, finish, logprobs)
-        return P.completion_choice(index, text, finish, logprobs)
+            piece = P.chat_delta(index, {"content": text} if text or finish is None else {}, finish, logprobs)
+        else:
+            piece = P.completion_choice(index, text, finish, logprobs)
+        if self.req.return_token_ids:  # vLLM's: a completion choice's prompt ids in its first chunk
+            if index in self.unsent_prompt_ids:
+                piece["prompt_token_ids"] = self.unsent_prompt_ids.pop(index)
+            piece["token_ids"] = list(token_ids)
+        return piece
 
     async def stream(self, choices: list[Choice]) -> AsyncIterator[dict]:
         """The SSE events; a failure while writing them ends this stream alone, with an error event."""
@@ -360,11 +377,15 @@ class Responder:
             yield {"data": "[DONE]"}
 
     async def _stream(self, choices: list[Choice]) -> AsyncIterator[dict]:
-        completion_tokens = 0
         offsets = {c.index: 0 for c in choices}
         if self.req.chat:
             for c in choices:
-                yield self._sse(self._chunk([P.chat_delta(c.index, {"role": "assistant", "content": ""})]))
+                chunk = self._chunk([P.chat_delta(c.index, {"role": "assistant", "content": ""})])
+                if self.req.return_token_ids and c is choices[0]:  # vLLM's: the response's, in its first chunk
+                    chunk["prompt_token_ids"] = c.prompt_ids
+                yield self._sse(chunk)
+        else:
+            self.unsent_prompt_ids = {c.index: c.prompt_ids for c in choices}
         # echo: each choice's prompt comes with its first event, which carries the prompt's logprobs
         unechoed = {c.index: c for c in choices} if self.echo is not None else {}
         async for index, item in self._events(choices):
@@ -381,15 +402,15 @@ class Responder:
                 offsets[index] = sum(map(len, lps["tokens"])) if lps else len(self.echo[c.prompt_index])
                 yield self._sse(self._chunk([self._piece(index, self.echo[c.prompt_index], None, lps)]))
             token_ids, text, records = self._output(ev)
-            completion_tokens += len(token_ids)
+            self.completion_tokens += len(token_ids)
             lps = self._logprobs(records, offsets[index]) if records else None
             offsets[index] += len(text)
-            if text or lps:
-                yield self._sse(self._chunk([self._piece(index, text, None, lps)]))
+            if text or lps or (token_ids and self.req.return_token_ids):
+                yield self._sse(self._chunk([self._piece(index, text, None, lps, token_ids)]))
             if ev.finished:
                 yield self._sse(self._chunk([self._piece(index, "", ev.finish_reason, None)]))
         if self.req.include_usage:
-            yield self._sse(self._chunk([], self.usage(completion_tokens)))
+            yield self._sse(self._chunk([], self.usage(self.completion_tokens)))
         yield {"data": "[DONE]"}
 
     @staticmethod
@@ -415,6 +436,7 @@ class Responder:
             token_ids, text, records = self._output(item)
             r.text += text
             r.completion_tokens += len(token_ids)
+            r.token_ids.extend(token_ids)
             r.logprobs.extend(records)
             if item.finished:
                 r.finish_reason = item.finish_reason
@@ -424,10 +446,19 @@ class Responder:
         use = self.usage(sum(r.completion_tokens for r in results.values()))
         if req.chat:
             out = [P.chat_choice(i, r.text, r.finish_reason, self._logprobs(r.logprobs)) for i, r in results.items()]
-            return P.chat_response(self.rid, self.served.name, out, use, results[0].prompt_logprobs)
-        out = [P.completion_choice(i, r.text, r.finish_reason, self._logprobs(r.logprobs), r.prompt_logprobs)
-               for i, r in results.items()]
-        return P.completion_response(self.rid, self.served.name, out, use)
+            response = P.chat_response(self.rid, self.served.name, out, use, results[0].prompt_logprobs)
+        else:
+            out = [P.completion_choice(i, r.text, r.finish_reason, self._logprobs(r.logprobs), r.prompt_logprobs)
+                   for i, r in results.items()]
+            response = P.completion_response(self.rid, self.served.name, out, use)
+        if req.return_token_ids:  # vLLM's: chat's prompt ids are the response's, a completion's its choice's
+            for c, choice in zip(choices, out):
+                choice["token_ids"] = results[c.index].token_ids
+                if not req.chat:
+                    choice["prompt_token_ids"] = c.prompt_ids
+            if req.chat:
+                response["prompt_token_ids"] = choices[0].prompt_ids
+        return response
 
 
 def _resolve_priority(req: P.GenerationRequest, header: str | None, cfg: ServerConfig) -> P.GenerationRequest:

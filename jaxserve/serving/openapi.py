@@ -35,7 +35,10 @@ def _nullable(schema: dict) -> dict:
 _SAMPLING = {
     "model": {"type": "string", "description": "a served model's name; may be left out when the server serves one"},
     "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "stream_options": {"type": "object", "properties": {
+        "include_usage": {"type": "boolean"},
+        "continuous_usage_stats": {"type": "boolean", "description": "vLLM's: with include_usage, every chunk "
+                                   "carries the usage so far"}}},
     "max_tokens": _num(1, INT32_MAX, integer=True, doc="default: up to the context length (or the server's cap)"),
     "n": _num(1, integer=True, doc="choices per prompt; the server's max_n bounds it (400 past it)"),
     "temperature": _num(0, 2, doc="0 is greedy"),
@@ -71,7 +74,14 @@ _SAMPLING = {
     "prompt_logprobs": _num(0, SamplingParams.MAX_LOGPROBS, integer=True, doc="vLLM's: each prompt token's "
                             "logprob and rank and this many alternatives, in the answer's prompt_logprobs; "
                             "not with stream"),
+    "return_token_ids": {"type": "boolean", "description": "vLLM's: prompt_token_ids and each choice's "
+                         "token_ids beside the text (streamed: the prompt's in the first chunk)"},
+    "return_tokens_as_token_ids": {"type": "boolean", "description": "vLLM's: logprob tokens as 'token_id:N'"},
+    "truncate_prompt_tokens": {"anyOf": [{"const": -1}, _num(1, INT32_MAX, integer=True)],
+                               "description": "vLLM's: keep the prompt's last k tokens (-1: the context length)"},
 }
+
+_IDS = {"type": "array", "items": {"type": "integer"}}
 
 # vLLM's prompt_logprobs: null for the first prompt token, then {token id: {logprob, rank, decoded_token}}
 _PROMPT_LOGPROBS = {"type": "array", "items": _nullable({"type": "object", "additionalProperties": {
@@ -197,9 +207,10 @@ def _response(obj: str, choice: dict, choice_required: list[str], **extra: dict)
 
 _CHAT_RESPONSE = _response("chat.completion", {"message": {
     "type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
-    "required": ["role", "content"]}}, ["message"], prompt_logprobs=_PROMPT_LOGPROBS)
-_COMPLETION_RESPONSE = _response("text_completion", {"text": {"type": "string"},
-                                                     "prompt_logprobs": _PROMPT_LOGPROBS}, ["text"])
+    "required": ["role", "content"]}, "token_ids": _IDS}, ["message"], prompt_logprobs=_PROMPT_LOGPROBS,
+    prompt_token_ids=_IDS)
+_COMPLETION_RESPONSE = _response("text_completion", {"text": {"type": "string"}, "prompt_logprobs": _PROMPT_LOGPROBS,
+                                                     "prompt_token_ids": _IDS, "token_ids": _IDS}, ["text"])
 
 _ERROR = {
     "type": "object",

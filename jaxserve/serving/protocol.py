@@ -320,6 +320,10 @@ class GenerationRequest:
     chat_template: ChatTemplateOptions | None = None  # chat: how the conversation becomes the prompt
     echo: bool = False  # completions: the answer's text (and with logprobs, its logprobs) starts with the prompt's
     prompt_logprobs: int | None = None  # vLLM's field: each prompt token's logprob, rank and k alternatives
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage so far in every chunk
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last k tokens (-1: the context)
 
     @property
     def scores_prompt(self) -> int | None:
@@ -395,6 +399,7 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", param="stream_options", code="invalid_type")
     include_usage = bool(_field(opts or {}, "include_usage", bool, False))
+    continuous_usage = include_usage and bool(_field(opts or {}, "continuous_usage_stats", bool, False))
     # 0 only with a completion's echo: the prompt scored, nothing generated (checked below)
     max_tokens = _field(body, "max_tokens", int, lo=0 if not chat else 1, hi=2**31 - 1)
     if chat:
@@ -433,6 +438,13 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
     template = _chat_template_options(body) if chat else None
     prompt_logprobs = _prompt_logprobs(body, stream)
     echo = False if chat else _completion_only_features(body, n, max_tokens, prompt_logprobs)
+    truncate = _field(body, "truncate_prompt_tokens", int, None, lo=-1, hi=2**31 - 1)
+    if truncate == 0:
+        raise bad("'truncate_prompt_tokens' must be >= 1 (the prompt's last k tokens) or -1 (the context length)",
+                  param="truncate_prompt_tokens", code="invalid_value")
+    if truncate is not None and echo:
+        raise bad("'echo' with 'truncate_prompt_tokens': the prompt echoed would not be the prompt used",
+                  param="truncate_prompt_tokens", code="invalid_value")
     seed = _field(body, "seed", int, None, lo=-(2**63), hi=2**64 - 1)
     user = body.get("user") if isinstance(body.get("user"), str) else None
     return GenerationRequest(chat=chat, model=model, messages=messages, prompts=prompts, stream=stream,
@@ -441,7 +453,10 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
                              priority=_priority(body),
                              timeout=_field(body, "timeout", float, None, lo=0, lo_open=True),
                              cache_salt=_cache_salt(body), chat_template=template, echo=echo,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, continuous_usage=continuous_usage,
+                             return_token_ids=_field(body, "return_token_ids", bool, False),
+                             tokens_as_ids=_field(body, "return_tokens_as_token_ids", bool, False),
+                             truncate_prompt_tokens=truncate)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
