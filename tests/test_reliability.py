@@ -117,7 +117,7 @@ def wait_idle(server: ServerProcess, within: float = 60.0) -> dict:
 ROUTES = {"/v1/chat/completions": "post", "/v1/completions": "post", "/v1/models": "get",
           "/v1/models/{name}": "get", "/health": "get", "/version": "get", "/stats": "get", "/metrics": "get",
           "/dashboard": "get", "/openapi.json": "get", "/debug/profile": "post", "/tokenize": "post",
-          "/detokenize": "post"}
+          "/detokenize": "post", "/v1/responses": "post"}
 
 
 def test_openapi_document_describes_every_route(server):
@@ -182,10 +182,11 @@ def test_fuzzing_the_openapi_document_finds_no_5xx_and_no_bad_error_shape(server
                 assert mode == GenerationMode.NEGATIVE and not operation.body, operation.label
                 continue
             tried.add((operation.label, mode))
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         assert {(f"POST {path}", GenerationMode.POSITIVE), (f"POST {path}", GenerationMode.NEGATIVE)} <= tried
     # it reached the engine, and the checks refused
     assert generated.count("/v1/chat/completions") >= 10 and generated.count("/v1/completions") >= 10, seen
+    assert generated.count("/v1/responses") >= 10, seen
     assert generated.count("/tokenize") >= 10 and generated.count("/detokenize") >= 5, seen
     assert seen.get(400, 0) > 50, seen
     wait_idle(server)
@@ -193,7 +194,7 @@ def test_fuzzing_the_openapi_document_finds_no_5xx_and_no_bad_error_shape(server
 
 # Hand-written bad requests ------------------------------------------------------------
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 Q = [{"role": "user", "content": f"What is a {MARKER}?"}]
 
 
@@ -349,6 +350,21 @@ BAD = [
     ("tokenize-unknown-model", "/tokenize", {"prompt": "a", "model": "gpt-9"}, {}, 404, "model"),
     ("detokenize-out-of-vocab", "/detokenize", {"tokens": [1, 10**9]}, {}, 400, "tokens"),
     ("detokenize-text", "/detokenize", {"tokens": "hello"}, {}, 400, "tokens"),
+    ("responses-previous-response-id", RESPONSES, {"input": "hi", "previous_response_id": "resp_1"}, {}, 400,
+     "previous_response_id"),
+    ("responses-tools", RESPONSES, {"input": "hi", "tools": [{"type": "function", "name": "f"}]}, {}, 400, "tools"),
+    ("responses-json-schema", RESPONSES, {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                                             "schema": {}}}}, {}, 400, "text.format"),
+    ("responses-image-input", RESPONSES, {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "x"}]}]}, {}, 400, "input[0].content"),
+    ("responses-function-call-output", RESPONSES, {"input": [{"type": "function_call_output", "call_id": "c",
+                                                              "output": "1"}]}, {}, 400, "input[0]"),
+    ("responses-input-missing", RESPONSES, {"instructions": "be brief"}, {}, 400, "input"),
+    ("responses-max-output-tokens-zero", RESPONSES, {"input": "hi", "max_output_tokens": 0}, {}, 400,
+     "max_output_tokens"),
+    ("responses-max-output-tokens-over-the-cap", RESPONSES, {"input": "hi", "max_output_tokens": 65}, {}, 400,
+     "max_output_tokens"),
+    ("responses-background", RESPONSES, {"input": "hi", "background": True}, {}, 400, "background"),
     ("unknown-route", "/v1/embeddings", {"input": "x"}, {}, 404, None),
     ("wrong-method", "/v1/models", {}, {}, 405, None),
     # Odd but valid: answered, not refused

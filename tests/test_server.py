@@ -576,6 +576,47 @@ def test_vllm_token_id_fields(client, model, tok):
     assert cut.choices[0].text == client.completions.create(prompt=ids[-4:], **opts).choices[0].text
 
 
+def test_responses_api(client, model):
+    """OpenAI's Responses API through the openai client: `instructions` and `input` run as the
+    chat of a system and a user message (the same greedy answer and token counts); a cut by
+    max_output_tokens is `incomplete`; streamed, the typed events come in order, numbered, and
+    their deltas add up to the answer; a conversation of message items with text parts is the
+    same chat too."""
+    chat = client.chat.completions.create(model=model, max_tokens=40, temperature=0, messages=[
+        {"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": "Why is the sky blue?"}])
+    r = client.responses.create(model=model, instructions="Answer in one sentence.", input="Why is the sky blue?",
+                                max_output_tokens=40, temperature=0, metadata={"run": "7"})
+    assert r.output_text == chat.choices[0].message.content and r.metadata == {"run": "7"}
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert (r.status == "completed") == (chat.choices[0].finish_reason == "stop")
+    short = client.responses.create(model=model, input="Tell me a long story.", max_output_tokens=3, temperature=0)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert short.output[0].status == "incomplete" and short.usage.output_tokens == 3
+
+    events = list(client.responses.create(model=model, instructions="Answer in one sentence.",
+                                          input="Why is the sky blue?", max_output_tokens=40, temperature=0,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{r.status}"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events[4:-4]) == events[-4].text == r.output_text
+    assert events[-1].response.output_text == r.output_text and events[-1].response.usage.output_tokens == \
+        r.usage.output_tokens
+
+    turns = [{"role": "user", "content": [{"type": "input_text", "text": "Name a fruit."}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Apple."}]},
+             {"type": "message", "role": "user", "content": "Another one?"}]
+    again = client.responses.create(model=model, input=turns, max_output_tokens=12, temperature=0)
+    plain = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "Apple."},
+             {"role": "user", "content": "Another one?"}]
+    assert again.output_text == client.chat.completions.create(model=model, messages=plain, max_tokens=12,
+                                                               temperature=0).choices[0].message.content
+
+
 def test_stop_token_ids_and_skip_special_tokens(client, model, tok):
     """vLLM's extensions. The greedy next token t of the prompt as a stop token id ends the answer
     at once (finish_reason "stop", the stop token not shown). <|im_start|> forced by logit_bias

@@ -43,6 +43,7 @@ from jaxserve.config import ConfigError, ServerConfig
 from jaxserve.engine.sequence import InvalidRequest, SamplingParams, TokenEvent
 from jaxserve.metrics import CONTENT_TYPE, Metrics
 from jaxserve.serving import protocol as P
+from jaxserve.serving import responses as R
 from jaxserve.serving.admission import Admission, Ticket
 from jaxserve.serving.lifecycle import Lifecycle
 from jaxserve.serving.openapi import openapi_document
@@ -373,8 +374,12 @@ class Responder:
         except Exception as e:  # noqa: BLE001 - this request fails, the server keeps serving
             log.exception("request %s: the stream failed", self.rid)
             self.error = f"{type(e).__name__}: {e}"
-            yield self._sse(APIError(500, f"internal error: {self.error}").body())
-            yield {"data": "[DONE]"}
+            for event in self._failed(APIError(500, f"internal error: {self.error}")):
+                yield event
+
+    def _failed(self, e: APIError) -> list[dict]:
+        """The events that end a stream that failed."""
+        return [self._sse(e.body()), {"data": "[DONE]"}]
 
     async def _stream(self, choices: list[Choice]) -> AsyncIterator[dict]:
         offsets = {c.index: 0 for c in choices}
@@ -459,6 +464,70 @@ class Responder:
             if req.chat:
                 response["prompt_token_ids"] = choices[0].prompt_ids
         return response
+
+
+class ResponsesResponder(Responder):
+    """Writes a /v1/responses answer: the chat path's events as a `response` object, or as the
+    Responses API's typed stream events (responses.py)."""
+
+    def __init__(self, rreq: R.ResponsesRequest, served: ServedModel, rid: str, prompt_lens: list[int], *args,
+                 **kwargs):
+        super().__init__(served, rreq.chat, rid, prompt_lens, *args, **kwargs)
+        self.rreq = rreq
+        self.response_id, self.item_id = R.new_ids()
+        self.sequence = 0
+
+    def _response(self, status: str, output: list[dict], incomplete: dict | None = None,
+                  use: dict | None = None) -> dict:
+        return R.response_object(self.rreq, self.response_id, self.served.name, self.created, output, status,
+                                 incomplete, use)
+
+    async def whole(self, choices: list[Choice]) -> dict:
+        chat = await super().whole(choices)
+        choice = chat["choices"][0]
+        status, incomplete = R.status_of(choice["finish_reason"])
+        item = R.output_message(self.item_id, choice["message"]["content"], status)
+        return self._response(status, [item], incomplete, R.usage(chat["usage"]))
+
+    def _event(self, kind: str, **fields) -> dict:
+        """One typed event: `event: kind` and its JSON, numbered in order."""
+        self.sequence += 1
+        body = {"type": kind, "sequence_number": self.sequence - 1, **fields}
+        return {"event": kind, "data": json.dumps(body, ensure_ascii=False)}
+
+    def _failed(self, e: APIError) -> list[dict]:
+        failed = {**self._response("failed", []), "error": {"code": e.code or "server_error", "message": e.message}}
+        return [self._event("error", code=e.code, message=e.message, param=e.param),
+                self._event("response.failed", response=failed)]
+
+    async def _stream(self, choices: list[Choice]) -> AsyncIterator[dict]:
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        yield self._event("response.created", response=self._response("in_progress", []))
+        yield self._event("response.in_progress", response=self._response("in_progress", []))
+        yield self._event("response.output_item.added", output_index=0,
+                          item=R.output_message(self.item_id, None, "in_progress"))
+        yield self._event("response.content_part.added", **where, part=R.output_text(""))
+        text, finish = "", None
+        async for _, item in self._events(choices):
+            err = _error_of(item)
+            if err is not None:
+                for event in self._failed(err):
+                    yield event
+                return
+            token_ids, delta, _ = self._output(item)
+            self.completion_tokens += len(token_ids)
+            if delta:
+                text += delta
+                yield self._event("response.output_text.delta", **where, delta=delta, logprobs=[])
+            if item.finished:
+                finish = item.finish_reason
+        status, incomplete = R.status_of(finish)
+        yield self._event("response.output_text.done", **where, text=text, logprobs=[])
+        yield self._event("response.content_part.done", **where, part=R.output_text(text))
+        done = R.output_message(self.item_id, text, status)
+        yield self._event("response.output_item.done", output_index=0, item=done)
+        yield self._event(f"response.{status}", response=self._response(
+            status, [done], incomplete, R.usage(self.usage(self.completion_tokens))))
 
 
 def _resolve_priority(req: P.GenerationRequest, header: str | None, cfg: ServerConfig) -> P.GenerationRequest:
@@ -604,15 +673,19 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         return JSONResponse({"models": {name: m.stats() for name, m in registry.models.items()},
                              "admission": admission.stats()})
 
-    async def generation(request: Request, rid: str, chat: bool):
+    async def generation(request: Request, rid: str, chat: bool, responses: bool = False):
+        """A chat or completion request, or (responses) a Responses API one run as a chat."""
         arrival = time.monotonic()  # deadlines and first-come order count from here
         if not lifecycle.accepting:
             raise lifecycle.refusal()
         P.check_content_type(request.headers.get("content-type"))
         body = P.parse_json(await read_body(request, cfg.max_body_bytes))
-        req = P.parse_generation(body, chat=chat, max_n=cfg.max_n)
+        rreq = R.parse_responses(body) if responses else None
+        req = rreq.chat if responses else P.parse_generation(body, chat=chat, max_n=cfg.max_n)
         req = _with_header_timeout(req, request.headers.get("x-request-timeout"))
         req = _resolve_priority(req, request.headers.get("x-priority"), cfg)
+        if responses:
+            rreq = dataclasses.replace(rreq, chat=req)
         operation, model = ("chat" if chat else "text_completion"), req.model or registry.names[0]
         span = RequestSpan(tracer, f"{operation} {model}", request.headers.get("traceparent"),
                            {"gen_ai.operation.name": operation, "gen_ai.request.model": model,
@@ -629,15 +702,19 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
                                      pool_tokens=served.limits.pool_tokens)
         except APIError as e:
             span.end(f"{e.status} {e.code}: {e.message}")
-            raise
+            raise R.in_own_names(e) if responses else e
         span.event("queued")
         log.info("%s %s: %d choice(s), %d prompt tokens, priority %d", request.method, request.url.path,
                  len(choices), sum(prompt_lens), req.priority)
         if cfg.log_requests:
             log.info("prompt (--log-requests): %s", json.dumps(req.messages if chat else req.prompts,
                                                                 ensure_ascii=False))
-        responder = Responder(served, req, rid, prompt_lens, admission, ticket, span, lifecycle.open,
-                              cfg.log_requests)
+        if responses:
+            responder = ResponsesResponder(rreq, served, rid, prompt_lens, admission, ticket, span, lifecycle.open,
+                                           cfg.log_requests)
+        else:
+            responder = Responder(served, req, rid, prompt_lens, admission, ticket, span, lifecycle.open,
+                                  cfg.log_requests)
         if req.stream:  # the background task runs once the stream ends, the client gone or not
             return EventSourceResponse(responder.stream(choices), ping=15, background=BackgroundTask(responder.release))
         work = asyncio.ensure_future(responder.whole(choices))
@@ -721,6 +798,9 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
     async def completions(request: Request, rid: str):
         return await generation(request, rid, chat=False)
 
+    async def responses(request: Request, rid: str):
+        return await generation(request, rid, chat=True, responses=True)
+
     async def http_error(request: Request, exc: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
@@ -750,6 +830,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         Route("/v1/models/{name:path}", api(model), methods=["GET"]),
         Route("/v1/chat/completions", api(chat_completions), methods=["POST"]),
         Route("/v1/completions", api(completions), methods=["POST"]),
+        Route("/v1/responses", api(responses), methods=["POST"]),
         Route("/tokenize", api(tokenize), methods=["POST"]),
         Route("/detokenize", api(detokenize), methods=["POST"]),
     ]

@@ -177,6 +177,55 @@ _DETOKENIZE_REQUEST = {
     "required": ["tokens"],
 }
 
+_RESPONSES_MESSAGE = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "message"},
+        "role": {"enum": ["user", "system", "developer", "assistant"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+            "type": "object", "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}},
+            "required": ["type", "text"]}}]},
+    },
+    "required": ["role", "content"],
+}
+
+_RESPONSES_REQUEST = {
+    "type": "object",
+    "description": "OpenAI's Responses API, run as a chat; stored responses, tools, structured output, "
+                   "background runs and non-text input are 400s",
+    "properties": {
+        **{k: _SAMPLING[k] for k in ("model", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                                     "presence_penalty", "frequency_penalty", "repetition_penalty", "user",
+                                     "priority", "timeout", "cache_salt")},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": _ref("ResponsesMessage"), "minItems": 1}]},
+        "instructions": {"type": "string", "description": "a system message before the input"},
+        "max_output_tokens": _SAMPLING["max_tokens"],
+        "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+        "store": {"type": "boolean", "description": "accepted; nothing is stored (the response says store: false)"},
+        "truncation": {"const": "disabled"},
+    },
+    "required": ["input"],
+}
+
+_RESPONSES_RESPONSE = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"}, "object": {"const": "response"}, "created_at": {"type": "integer"},
+        "status": {"enum": ["completed", "incomplete", "failed", "in_progress"]}, "model": {"type": "string"},
+        "output": {"type": "array", "items": {"type": "object", "properties": {
+            "type": {"const": "message"}, "id": {"type": "string"}, "role": {"const": "assistant"},
+            "status": {"enum": ["completed", "incomplete", "in_progress"]},
+            "content": {"type": "array", "items": {"type": "object", "properties": {
+                "type": {"const": "output_text"}, "text": {"type": "string"}}, "required": ["type", "text"]}}},
+            "required": ["type", "id", "role", "status", "content"]}},
+        "incomplete_details": _nullable({"type": "object", "properties": {"reason": {"type": "string"}}}),
+        "usage": _nullable({"type": "object", "properties": {
+            "input_tokens": {"type": "integer"}, "output_tokens": {"type": "integer"},
+            "total_tokens": {"type": "integer"}}, "required": ["input_tokens", "output_tokens", "total_tokens"]}),
+    },
+    "required": ["id", "object", "created_at", "status", "model", "output"],
+}
+
 _FINISH = _nullable({"enum": ["stop", "length", "abort", "timeout", "error"]})
 
 _USAGE = {
@@ -299,6 +348,10 @@ def openapi_document(version: str, models: list[str] | None = None, max_n: int |
         fields = {k: v for k, v in served.items() if k in schema["properties"]}
         requests[name] = {**schema, "properties": {**schema["properties"], **fields}}
     model = {"model": served["model"]} if "model" in served else {}
+    limit = {"max_output_tokens": served["max_tokens"]} if "max_tokens" in served else {}
+    requests["ResponsesRequest"] = {**_RESPONSES_REQUEST, "properties": {
+        **_RESPONSES_REQUEST["properties"], **{k: v for k, v in served.items() if k in ("model", "priority")},
+        **limit}}
     requests["TokenizeRequest"] = {**_TOKENIZE_REQUEST, "oneOf": [
         {**one, "properties": {**one["properties"], **model}} for one in _TOKENIZE_REQUEST["oneOf"]]}
     requests["DetokenizeRequest"] = {**_DETOKENIZE_REQUEST,
@@ -317,6 +370,9 @@ def openapi_document(version: str, models: list[str] | None = None, max_n: int |
                 "summary": "One served model",
                 "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": {"200": {"description": "OK", "content": _json(_ref("Model"))}, **_errors(401, 404)}}},
+            "/v1/responses": _generation("OpenAI's Responses API (stream: true sends its typed events, "
+                                         "ending with response.completed or response.incomplete)",
+                                         "ResponsesRequest", "Response"),
             "/tokenize": _post("Token ids of a prompt or a conversation (vLLM's)", "TokenizeRequest",
                                _TOKENIZE_RESPONSE),
             "/detokenize": _post("Text of token ids (vLLM's)", "DetokenizeRequest",
@@ -340,6 +396,7 @@ def openapi_document(version: str, models: list[str] | None = None, max_n: int |
         },
         "components": {"schemas": {
             **requests, "ChatMessage": _MESSAGE, "ChatCompletion": _CHAT_RESPONSE, "Completion": _COMPLETION_RESPONSE,
-            "Model": _MODEL, "Health": _HEALTH, "Error": _ERROR,
+            "Model": _MODEL, "Health": _HEALTH, "Error": _ERROR, "ResponsesMessage": _RESPONSES_MESSAGE,
+            "Response": _RESPONSES_RESPONSE,
         }},
     }
