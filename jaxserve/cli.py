@@ -24,8 +24,9 @@ def _cmd_convert(args) -> int:
     return 0
 
 
-def _read_prompts(path: str) -> list[dict]:
-    """One prompt per line: plain text, or a JSON object with "prompt" (or "messages") and options."""
+def _read_prompts(path: str) -> list[tuple[int, dict]]:
+    """One prompt per line: plain text, or a JSON object with "prompt" (or "messages") and options.
+    Returns (line number, object) pairs."""
     prompts = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -37,12 +38,43 @@ def _read_prompts(path: str) -> list[dict]:
                     obj = json.loads(line)
                 except ValueError as e:
                     raise SystemExit(f"jaxserve generate: error: {path}:{n}: invalid JSON ({e})")
-                if "prompt" not in obj and "messages" not in obj:
+                if not isinstance(obj, dict) or ("prompt" not in obj and "messages" not in obj):
                     raise SystemExit(f"jaxserve generate: error: {path}:{n}: needs a \"prompt\" or \"messages\"")
-                prompts.append(obj)
+                prompts.append((n, obj))
             else:
-                prompts.append({"prompt": line})
+                prompts.append((n, {"prompt": line}))
     return prompts
+
+
+def _prompt_request(tok, limits, entry: dict, chat: bool, defaults: dict):
+    """One --prompts-file line checked as the server checks a request body (the same fields,
+    ranges and 400 messages, one prompt and one choice): (prompt ids, SamplingParams)."""
+    from jaxserve.engine.sequence import InvalidRequest
+    from jaxserve.serving import protocol as P
+
+    body = {**defaults, **entry}
+    chat = chat or "messages" in body
+    if chat and "messages" not in body:
+        body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
+    req = P.parse_generation(body, chat=chat, max_n=1)
+    if req.echo:
+        raise P.bad("'echo' is for the HTTP API: the output line names its prompt", param="echo")
+    if not chat and len(req.prompts) != 1:
+        raise P.bad("one prompt per line", param="prompt")
+    if chat:
+        ids = P.render_chat(tok, req.messages, req.chat_template)
+    else:
+        ids = tok.encode(req.prompts[0]) if isinstance(req.prompts[0], str) else req.prompts[0]
+    if req.truncate_prompt_tokens is not None:
+        ids = ids[-(limits.max_request_tokens if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens):]
+    max_tokens = req.max_tokens if req.max_tokens is not None else limits.max_request_tokens - len(ids)
+    params = req.sampling_params(max(max_tokens, 1), 0)
+    try:
+        limits.check_request(ids, params.max_tokens)
+        limits.check_logit_bias(params)
+    except InvalidRequest as e:
+        raise P.bad(str(e)) from None
+    return ids, params
 
 
 def _fitted_buckets(engine, over: dict) -> dict:
@@ -74,38 +106,39 @@ def _cmd_generate_batch(args) -> int:
     import time
 
     from jaxserve.engine.engine import LLM
-    from jaxserve.engine.sequence import InvalidRequest, SamplingParams
+    from jaxserve.serving.protocol import APIError
 
     entries = _read_prompts(args.prompts_file)
     spec = _speculative_options(args)
-    llm = LLM(args.model, **_generate_engine_options(
+    llm = LLM(args.model, warmup=False, **_generate_engine_options(
         args, max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching, speculative=spec,
         tensor_parallel_size=args.tensor_parallel_size or 1))
-    tok = llm.tokenizer
-    prompts, params = [], []
-    try:
-        for i, e in enumerate(entries):
-            if "messages" in e:
-                prompts.append(tok.encode_chat(e["messages"]))
-            elif args.chat:
-                prompts.append(tok.encode_chat([{"role": "user", "content": e["prompt"]}]))
-            else:
-                prompts.append(e["prompt"])
-            params.append(SamplingParams(
-                max_tokens=int(e.get("max_tokens", args.max_tokens)),
-                temperature=float(e.get("temperature", args.temperature)),
-                top_p=float(e.get("top_p", 1.0)), top_k=int(e.get("top_k", 0)),
-                seed=e.get("seed", args.seed + i), stop=tuple(e.get("stop", ()))))
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-    except InvalidRequest as e:
-        print(f"jaxserve generate: error: {e}", file=sys.stderr)
+    prompts, params, errors = [], [], []
+    for i, (line, e) in enumerate(entries):  # every line checked before anything compiles or runs
+        defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed + i}
+        try:
+            ids, p = _prompt_request(llm.tokenizer, llm.engine.limits, e, args.chat, defaults)
+        except APIError as err:
+            where = f" ('{err.param}')" if err.param else ""
+            errors.append(f"jaxserve generate: error: {args.prompts_file}:{line}{where}: {err.message}")
+            continue
+        prompts.append(ids)
+        params.append(p)
+    if errors:
+        print("\n".join(errors), file=sys.stderr)
         return 1
+    llm.engine.warmup()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
-    for e, o in zip(entries, outs):
-        print(json.dumps({"prompt": e.get("prompt", e.get("messages")), "text": o.text,
-                          "finish_reason": o.finish_reason, "completion_tokens": len(o.token_ids)},
-                         ensure_ascii=False))
+    for (_, e), p, o in zip(entries, params, outs):
+        row = {"prompt": e.get("prompt", e.get("messages")), "text": o.text, "finish_reason": o.finish_reason,
+               "completion_tokens": len(o.token_ids)}
+        if p.logprobs is not None:  # the engine's records: token_id, logprob, top [(id, logprob)]
+            row["logprobs"] = o.logprobs
+        if p.prompt_logprobs is not None:
+            row["prompt_logprobs"] = o.prompt_logprobs
+        print(json.dumps(row, ensure_ascii=False))
     n_out = sum(len(o.token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     print(f"{len(outs)} requests, {n_in} prompt + {n_out} generated tokens in {elapsed:.2f}s: "
@@ -326,8 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate a completion for one prompt (or a file of prompts)")
     g.add_argument("prompt", nargs="?")
-    g.add_argument("--prompts-file", help="one prompt per line: text, or JSON with prompt|messages and options; "
-                                          "runs them all through the batch engine and reports throughput")
+    g.add_argument("--prompts-file", help="one prompt per line: text, or JSON with prompt|messages and the "
+                                          "options of a completion or chat request body (checked as the server "
+                                          "checks them); runs them all through the batch engine and reports "
+                                          "throughput")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-model-len", type=int,
                    help="through the engine (--prompts-file, --tensor-parallel-size, --kv-cache-dtype): most "

@@ -312,6 +312,45 @@ def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
     assert proc.returncode != 0 and "bad.txt:1: invalid JSON" in proc.stderr
 
 
+def test_generate_prompts_file_lines_are_checked_as_request_bodies(tiny_model_dir, tmp_path):
+    """A --prompts-file line takes a request body's options (here min_tokens, logprobs,
+    continue_final_message) and is refused as the server refuses a body: a clear error naming
+    the line and the field, no traceback, nothing generated."""
+    import json
+    import subprocess
+    import sys
+
+    def run(lines: list[str]):
+        f = tmp_path / "prompts.jsonl"
+        f.write_text("\n".join(lines) + "\n")
+        return subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--model", str(tiny_model_dir),
+                               "--prompts-file", str(f), "--max-tokens", "4", "--max-num-seqs", "2",
+                               "--max-model-len", "128"], capture_output=True, text=True, timeout=600)
+
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    proc = run(['{"prompt": "One, two,", "logprobs": 2, "min_tokens": 4, "stop_token_ids": [0, 1, 2]}',
+                json.dumps({"messages": chat, "continue_final_message": True, "add_generation_prompt": False})])
+    assert proc.returncode == 0, proc.stderr
+    first, second = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert first["completion_tokens"] == 4 and len(first["logprobs"]) == 4
+    assert all(len(r["top"]) == 2 for r in first["logprobs"])
+    llm = LLM(tiny_model_dir, max_num_seqs=2, max_model_len=128, context_buckets=(128,), warmup=False)
+    cont = llm.tokenizer.encode_chat(chat, False, continue_final_message=True)
+    (want,) = llm.generate([cont], SamplingParams(max_tokens=4, temperature=0, seed=1))
+    assert second["text"] == want.text
+
+    proc = run(['{"prompt": "x", "max_tokens": "many"}', "a plain line is fine",
+                '{"messages": [{"role": "wizard", "content": "x"}]}', '{"prompt": "x", "n": 2}',
+                '{"prompt": "x", "max_tokens": 500}', '{"prompt": "x", "echo": true}'])
+    assert proc.returncode == 1 and proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
+    said = proc.stderr.strip().splitlines()[-5:]  # every bad line, in order, before anything runs
+    for line, start in zip(said, ["prompts.jsonl:1 ('max_tokens'): 'max_tokens' must be an integer",
+                                  "prompts.jsonl:3 ('messages[0].role'): ", "prompts.jsonl:4 ('n'): 'n' must be <= 1",
+                                  "prompts.jsonl:5: this model's maximum context length is 128",
+                                  "prompts.jsonl:6 ('echo'): "]):
+        assert line.startswith(f"jaxserve generate: error: {tmp_path / start}"), line
+
+
 def test_prefill_token_budget_chunks_long_prompts_between_decode_steps(tiny_model_dir):
     """With a 32-token budget a 100-token prompt arriving while a stream decodes is prefilled in
     chunks of <= 32 tokens, each followed by a decode step of the running stream, and both

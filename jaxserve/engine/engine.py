@@ -164,13 +164,19 @@ class Engine:
                      self.mesh.size, ", ".join(str(d) for d in self.mesh.devices.flat),
                      self.model_cfg.num_heads // self.mesh.size, self.model_cfg.num_heads,
                      self.model_cfg.num_kv_heads // self.mesh.size, self.model_cfg.num_kv_heads)
-        self.compile_seconds = self.runner.warmup() if warmup else 0.0
-        if warmup and self.draft is not None:
-            self.compile_seconds += self.draft.warmup()
+        self.compile_seconds = 0.0
+        if warmup:
+            self.warmup()
         log.info("engine ready: %d pages of %d tokens (%d tokens of KV cache, %s, %.1f KiB a page), "
                  "max_model_len %d, max_num_seqs %d", num_pages, config.page_size, self.pool.num_tokens,
                  config.kv_cache_dtype if config.kv_cache_dtype != "auto" else config.dtype,
                  (page_bytes + draft_page_bytes) / 1024, max_len, self.config.max_num_seqs)
+
+    def warmup(self) -> None:
+        """Compile every step bucket (and the draft model's) now, not when a step first needs it."""
+        self.compile_seconds += self.runner.warmup()
+        if self.draft is not None:
+            self.compile_seconds += self.draft.warmup()
 
     def _load_draft(self, config: EngineConfig) -> tuple:
         """(ModelConfig, params) of the draft model, which must share the target's vocabulary."""

@@ -50,7 +50,6 @@ from jaxserve.serving.openapi import openapi_document
 from jaxserve.serving.protocol import APIError
 from jaxserve.serving.registry import ModelRegistry, Runner, ServedModel
 from jaxserve.serving.tracing import REQUEST_ID, RequestSpan, request_id_from
-from jaxserve.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +186,7 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
                     param="max_tokens", code="invalid_value")
     limits, tok = served.limits, served.tokenizer
     if req.chat:
-        prompts = [render_chat(tok, req.messages, req.chat_template)]
+        prompts = [P.render_chat(tok, req.messages, req.chat_template)]
     else:
         prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
     param = "messages" if req.chat else "prompt"
@@ -224,22 +223,6 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
         choices.extend(Choice(pi * req.n + j, pi, ids, params[j], req.priority, req.timeout, arrival, cache_salt)
                        for j in range(req.n))
     return choices, [len(ids) for ids in prompts]
-
-
-def render_chat(tok: Tokenizer, messages: list[dict], template: P.ChatTemplateOptions | None) -> list[int]:
-    """The conversation's prompt ids; a template that refuses the client's messages or its
-    chat_template_kwargs is the client's 400 naming that field."""
-    t = template or P.ChatTemplateOptions()
-    try:
-        return tok.encode_chat(messages, t.add_generation_prompt, continue_final_message=t.continue_final_message,
-                               template_kwargs=t.kwargs)
-    except ChatTemplateError as e:
-        raise P.bad(str(e), param="messages", code="invalid_messages") from None
-    except Exception as e:  # noqa: BLE001 - the client's own template variables broke the template
-        if not t.kwargs:
-            raise
-        raise P.bad(f"the chat template failed with these chat_template_kwargs: {type(e).__name__}: {e}",
-                    param="chat_template_kwargs", code="invalid_value") from None
 
 
 # Responses -----------------------------------------------------------------------------
@@ -773,7 +756,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         served = registry.get(req.model)
         tok = served.tokenizer
         if req.messages is not None:
-            ids = render_chat(tok, req.messages, req.chat_template)
+            ids = P.render_chat(tok, req.messages, req.chat_template)
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         strs = [tok.decode([i], skip_special_tokens=False) for i in ids] if req.return_token_strs else None

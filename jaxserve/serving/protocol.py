@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from jaxserve.engine.sequence import SamplingParams
+from jaxserve.tokenizer import ChatTemplateError, Tokenizer
 
 MAX_STOP_SEQUENCES = 16
 MAX_ID_DIGITS = 12  # a token id in a logit_bias key: longer strings are not ids (and int() of
@@ -457,6 +458,22 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
                              return_token_ids=_field(body, "return_token_ids", bool, False),
                              tokens_as_ids=_field(body, "return_tokens_as_token_ids", bool, False),
                              truncate_prompt_tokens=truncate)
+
+
+def render_chat(tok: Tokenizer, messages: list[dict], template: ChatTemplateOptions | None) -> list[int]:
+    """The conversation's prompt ids; a template that refuses the client's messages or its
+    chat_template_kwargs is the client's 400 naming that field."""
+    t = template or ChatTemplateOptions()
+    try:
+        return tok.encode_chat(messages, t.add_generation_prompt, continue_final_message=t.continue_final_message,
+                               template_kwargs=t.kwargs)
+    except ChatTemplateError as e:
+        raise bad(str(e), param="messages", code="invalid_messages") from None
+    except Exception as e:  # noqa: BLE001 - the client's own template variables broke the template
+        if not t.kwargs:
+            raise
+        raise bad(f"the chat template failed with these chat_template_kwargs: {type(e).__name__}: {e}",
+                  param="chat_template_kwargs", code="invalid_value") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
