@@ -187,12 +187,15 @@ def test_stop_strings_cut_where_the_string_first_appears(client, model):
     word = "Paris"
     cut = chat(client, model, QUESTION, max_tokens=24, temperature=0, stop=[word, "zebra"])
     assert cut.choices[0].message.content == free[:free.index(word)]
-    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_dump()["stop_reason"] == word
+    assert chat(client, model, QUESTION, max_tokens=24, temperature=0).choices[0].model_dump()["stop_reason"] is None
     streamed, _ = stream_text(chat(client, model, QUESTION, max_tokens=24, temperature=0, stop=word, stream=True))
     assert streamed == free[:free.index(word)]
     kept, _ = stream_text(chat(client, model, QUESTION, max_tokens=24, temperature=0, stop=word, stream=True,
                                extra_body={"include_stop_str_in_output": True}))
     assert kept == free[:free.index(word) + len(word)]
+    last = list(chat(client, model, QUESTION, max_tokens=24, temperature=0, stop=word, stream=True))[-1]
+    assert last.choices[0].finish_reason == "stop" and last.choices[0].model_dump()["stop_reason"] == word
 
 
 def test_n_2_seeded_samples(client, model):
@@ -627,7 +630,7 @@ def test_stop_token_ids_and_skip_special_tokens(client, model, tok):
     assert len(first) == 1, plain
     stopped = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0,
                                         extra_body={"stop_token_ids": first}).choices[0]
-    assert stopped.finish_reason == "stop" and stopped.text == ""
+    assert stopped.finish_reason == "stop" and stopped.text == "" and stopped.model_dump()["stop_reason"] == first[0]
     special = tok.encode("<|im_start|>", add_special_tokens=False)
     assert len(special) == 1
     for skip in (True, False):

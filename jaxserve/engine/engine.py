@@ -493,6 +493,8 @@ class Engine:
         reason = None
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
+            if token not in self.eos_token_ids or p.ignore_eos:
+                seq.stop_reason = token
             text = seq.detokenizer.flush()  # the stop token itself is not shown
         else:
             if faults.FAULTS:  # tests only
@@ -512,6 +514,7 @@ class Engine:
                       default=None)
         if hit is not None:
             full, reason = full[:hit[0] + (len(hit[1]) if p.include_stop_str_in_output else 0)], "stop"
+            seq.stop_reason = hit[1]
         emit_upto = len(full)
         if reason is None and p.stop:
             # Hold back a tail that could still grow into a stop string.
@@ -535,6 +538,7 @@ class Engine:
                           finished=done, finish_reason=seq.finish_reason if done else reason,
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs, prompt_tokens=len(seq.prompt_ids),
                           completion_tokens=len(seq.output_ids), cached_tokens=seq.cached_tokens or 0, error=error,
+                          stop_reason=seq.stop_reason if done else None,
                           scheduled_at=seq.scheduled_at if done else None,
                           preempted_at=tuple(seq.preempted_at) if done else ())
 

@@ -109,6 +109,7 @@ class TokenEvent:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (OpenAI's usage.prompt_tokens_details)
     error: str | None = None
+    stop_reason: int | str | None = None  # finished by a stop_token_ids id or a stop string: which (vLLM's)
     # On the finishing event only (for the request's trace): time.monotonic() of its first
     # step and of each preemption.
     scheduled_at: float | None = None
@@ -138,6 +139,7 @@ class Sequence:
         self.num_computed = 0
         self.num_preemptions = 0
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (not EOS)
         self.output_text = ""  # detokenized so far (after stop-string truncation)
         self.emitted_chars = 0  # how much of output_text has been sent in events
         self.detokenizer = None  # set by the engine

@@ -90,6 +90,7 @@ class ChoiceResult:
     text: str = ""
     completion_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
     logprobs: list[dict] = dataclasses.field(default_factory=list)
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, formatted
     token_ids: list[int] = dataclasses.field(default_factory=list)  # what the client sees (return_token_ids)
@@ -396,7 +397,9 @@ class Responder:
             if text or lps or (token_ids and self.req.return_token_ids):
                 yield self._sse(self._chunk([self._piece(index, text, None, lps, token_ids)]))
             if ev.finished:
-                yield self._sse(self._chunk([self._piece(index, "", ev.finish_reason, None)]))
+                piece = self._piece(index, "", ev.finish_reason, None)
+                piece["stop_reason"] = ev.stop_reason
+                yield self._sse(self._chunk([piece]))
         if self.req.include_usage:
             yield self._sse(self._chunk([], self.usage(self.completion_tokens)))
         yield {"data": "[DONE]"}
@@ -427,7 +430,7 @@ class Responder:
             r.token_ids.extend(token_ids)
             r.logprobs.extend(records)
             if item.finished:
-                r.finish_reason = item.finish_reason
+                r.finish_reason, r.stop_reason = item.finish_reason, item.stop_reason
         if all(r.finish_reason == "timeout" and not r.completion_tokens for r in results.values()):
             raise APIError(504, f"the request timed out after {self.req.timeout} s before it produced a token",
                            param="timeout", code="timeout", type="timeout_error")
@@ -439,6 +442,8 @@ class Responder:
             out = [P.completion_choice(i, r.text, r.finish_reason, self._logprobs(r.logprobs), r.prompt_logprobs)
                    for i, r in results.items()]
             response = P.completion_response(self.rid, self.served.name, out, use)
+        for c, choice in zip(choices, out):
+            choice["stop_reason"] = results[c.index].stop_reason
         if req.return_token_ids:  # vLLM's: chat's prompt ids are the response's, a completion's its choice's
             for c, choice in zip(choices, out):
                 choice["token_ids"] = results[c.index].token_ids

@@ -247,6 +247,7 @@ def _response(obj: str, choice: dict, choice_required: list[str], **extra: dict)
             "choices": {"type": "array", "items": {
                 "type": "object",
                 "properties": {"index": {"type": "integer"}, "finish_reason": _FINISH,
+                               "stop_reason": _nullable({"anyOf": [{"type": "integer"}, {"type": "string"}]}),
                                "logprobs": _nullable({"type": "object"}), **choice},
                 "required": ["index", *choice_required, "finish_reason"]}},
         },
