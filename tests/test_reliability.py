@@ -117,7 +117,8 @@ def wait_idle(server: ServerProcess, within: float = 60.0) -> dict:
 ROUTES = {"/v1/chat/completions": "post", "/v1/completions": "post", "/v1/models": "get",
           "/v1/models/{name}": "get", "/health": "get", "/version": "get", "/stats": "get", "/metrics": "get",
           "/dashboard": "get", "/openapi.json": "get", "/debug/profile": "post", "/tokenize": "post",
-          "/detokenize": "post", "/v1/responses": "post"}
+          "/detokenize": "post", "/v1/responses": "post", "/v1/messages": "post",
+          "/v1/messages/count_tokens": "post"}
 
 
 def test_openapi_document_describes_every_route(server):
@@ -182,11 +183,11 @@ def test_fuzzing_the_openapi_document_finds_no_5xx_and_no_bad_error_shape(server
                 assert mode == GenerationMode.NEGATIVE and not operation.body, operation.label
                 continue
             tried.add((operation.label, mode))
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"):
         assert {(f"POST {path}", GenerationMode.POSITIVE), (f"POST {path}", GenerationMode.NEGATIVE)} <= tried
     # it reached the engine, and the checks refused
     assert generated.count("/v1/chat/completions") >= 10 and generated.count("/v1/completions") >= 10, seen
-    assert generated.count("/v1/responses") >= 10, seen
+    assert generated.count("/v1/responses") >= 10 and generated.count("/v1/messages") >= 10, seen
     assert generated.count("/tokenize") >= 10 and generated.count("/detokenize") >= 5, seen
     assert seen.get(400, 0) > 50, seen
     wait_idle(server)
@@ -194,7 +195,7 @@ def test_fuzzing_the_openapi_document_finds_no_5xx_and_no_bad_error_shape(server
 
 # Hand-written bad requests ------------------------------------------------------------
 
-CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+CHAT, COMPLETIONS, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"
 Q = [{"role": "user", "content": f"What is a {MARKER}?"}]
 
 
@@ -365,6 +366,20 @@ BAD = [
     ("responses-max-output-tokens-over-the-cap", RESPONSES, {"input": "hi", "max_output_tokens": 65}, {}, 400,
      "max_output_tokens"),
     ("responses-background", RESPONSES, {"input": "hi", "background": True}, {}, 400, "background"),
+    ("messages-max-tokens-missing", MESSAGES, {"messages": Q}, {}, 400, "max_tokens"),
+    ("messages-system-role", MESSAGES, {"messages": [{"role": "system", "content": "x"}], "max_tokens": 4}, {}, 400,
+     "messages[0].role"),
+    ("messages-tool-result", MESSAGES, {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "1"}]}], "max_tokens": 4}, {}, 400,
+     "messages[0].content"),
+    ("messages-thinking", MESSAGES, {"messages": Q, "max_tokens": 4, "thinking": {"type": "enabled",
+                                                                             "budget_tokens": 1024}}, {}, 400,
+     "thinking"),
+    ("messages-temperature-above-1", MESSAGES, {"messages": Q, "max_tokens": 4, "temperature": 1.5}, {}, 400,
+     "temperature"),
+    ("messages-stop-sequences-empty-string", MESSAGES, {"messages": Q, "max_tokens": 4, "stop_sequences": [""]}, {},
+     400, "stop_sequences"),
+    ("count-tokens-no-messages", MESSAGES + "/count_tokens", {"model": "x"}, {}, 400, "messages"),
     ("unknown-route", "/v1/embeddings", {"input": "x"}, {}, 404, None),
     ("wrong-method", "/v1/models", {}, {}, 405, None),
     # Odd but valid: answered, not refused

@@ -620,6 +620,52 @@ def test_responses_api(client, model):
                                                                temperature=0).choices[0].message.content
 
 
+def test_anthropic_messages_api(client, model, server):
+    """Anthropic's Messages API through the anthropic SDK: `system` and `messages` run as the
+    same chat (the same greedy answer, tokens and finish, in Anthropic's names), stop_sequences
+    report the one that matched, the event stream adds up to the whole answer, count_tokens
+    counts the prompt, and refusals come in Anthropic's error envelope."""
+    import anthropic
+
+    ac = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    system, turns = "Answer in one sentence.", [{"role": "user", "content": "Why is the sky blue?"}]
+    greedy = {"temperature": 0}  # (this SDK sends temperature only as an extra field)
+    want = client.chat.completions.create(model=model, max_tokens=40, temperature=0,
+                                          messages=[{"role": "system", "content": system}, *turns])
+    m = ac.messages.create(model=model, max_tokens=40, system=system, messages=turns, extra_body=greedy)
+    text = want.choices[0].message.content
+    assert m.content[0].text == text and m.role == "assistant" and m.id.startswith("msg_")
+    assert m.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[want.choices[0].finish_reason]
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == want.usage.prompt_tokens
+    assert m.usage.output_tokens == want.usage.completion_tokens
+    assert ac.messages.count_tokens(model=model, system=system, messages=turns).input_tokens == \
+        want.usage.prompt_tokens
+
+    word = text.split()[2]
+    cut = ac.messages.create(model=model, max_tokens=40, system=[{"type": "text", "text": system}],
+                             messages=[{"role": "user", "content": [{"type": "text", "text": "Why is the sky blue?"}]}],
+                             stop_sequences=["zebra", word], extra_body=greedy)
+    assert (cut.stop_reason, cut.stop_sequence, cut.content[0].text) == ("stop_sequence", word, text[:text.index(word)])
+
+    with ac.messages.stream(model=model, max_tokens=40, system=system, messages=turns, extra_body=greedy) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert streamed == text == final.content[0].text and final.stop_reason == m.stop_reason
+    assert final.usage.output_tokens == m.usage.output_tokens
+
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.messages.create(model=model, max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert e.value.body["error"]["param"] == "messages[0].content"
+    for body, param in [({"messages": turns}, "max_tokens"),
+                        ({"messages": turns, "max_tokens": 5, "tools": [{"name": "f", "input_schema": {}}]}, "tools"),
+                        ({"messages": turns, "max_tokens": 5, "temperature": 1.5}, "temperature"),
+                        ({"messages": turns, "max_tokens": 5, "stop_sequences": "x"}, "stop_sequences")]:
+        r = httpx.post(f"{server.url}/v1/messages", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["param"] == param, r.text
+
+
 def test_stop_token_ids_and_skip_special_tokens(client, model, tok):
     """vLLM's extensions. The greedy next token t of the prompt as a stop token id ends the answer
     at once (finish_reason "stop", the stop token not shown). <|im_start|> forced by logit_bias
@@ -716,6 +762,18 @@ def test_api_key_required_everywhere_but_health(guarded, headers):
     for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")):
         r = httpx.request(method, f"{guarded.url}{path}", headers=headers, json={"messages": QUESTION})
         assert _error(r, 401)["type"] == "authentication_error"
+    wrong = {"x-api-key": "key-one2"} if headers else {}  # Anthropic's header, a wrong key or none
+    r = httpx.post(f"{guarded.url}/v1/messages", headers=wrong, json={"messages": QUESTION, "max_tokens": 2})
+    assert _error(r, 401)["type"] == "authentication_error" and r.json()["type"] == "error"
+
+
+def test_anthropic_clients_authenticate_with_x_api_key(guarded):
+    """Anthropic's SDKs send the key as `x-api-key`; it is as good as a bearer token."""
+    body = {"model": "alpha", "messages": QUESTION, "max_tokens": 3}
+    r = httpx.post(f"{guarded.url}/v1/messages", headers={"x-api-key": "key-one"}, json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["type"] == "message", r.text
+    r = httpx.post(f"{guarded.url}/v1/chat/completions", headers={"x-api-key": "key-two"}, json=body, timeout=60)
+    assert r.status_code == 200
 
 
 def test_two_served_names_each_with_its_own_engine(guarded):

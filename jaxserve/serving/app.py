@@ -43,6 +43,7 @@ from jaxserve.config import ConfigError, ServerConfig
 from jaxserve.engine.sequence import InvalidRequest, SamplingParams, TokenEvent
 from jaxserve.metrics import CONTENT_TYPE, Metrics
 from jaxserve.serving import protocol as P
+from jaxserve.serving import messages as M
 from jaxserve.serving import responses as R
 from jaxserve.serving.admission import Admission, Ticket
 from jaxserve.serving.lifecycle import Lifecycle
@@ -64,11 +65,12 @@ def _version() -> str:
         return "unknown"
 
 
-def error_response(e: APIError, request_id: str | None = None) -> JSONResponse:
+def error_response(e: APIError, request_id: str | None = None, anthropic: bool = False) -> JSONResponse:
+    """OpenAI's error body, or (anthropic: the Messages API's routes) the same inside Anthropic's envelope."""
     headers = dict(e.headers)
     if request_id:
         headers["X-Request-Id"] = request_id
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    return JSONResponse(M.error_body(e) if anthropic else e.body(), status_code=e.status, headers=headers)
 
 
 # One engine request per choice --------------------------------------------------------
@@ -518,6 +520,51 @@ class ResponsesResponder(Responder):
             status, [done], incomplete, R.usage(self.usage(self.completion_tokens))))
 
 
+class MessagesResponder(Responder):
+    """Writes a /v1/messages answer: the chat path's events as an Anthropic `message`, or as
+    its stream events (messages.py)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.message_id = M.new_id()
+
+    async def whole(self, choices: list[Choice]) -> dict:
+        chat = await super().whole(choices)
+        choice, use = chat["choices"][0], chat["usage"]
+        return M.message(self.message_id, self.served.name, choice["message"]["content"],
+                         M.stop_of(choice["finish_reason"], choice["stop_reason"]),
+                         M.usage(use["prompt_tokens"], use["completion_tokens"],
+                                 use["prompt_tokens_details"]["cached_tokens"]))
+
+    def _failed(self, e: APIError) -> list[dict]:
+        return [M.event("error", error=M.error_body(e)["error"])]
+
+    async def _stream(self, choices: list[Choice]) -> AsyncIterator[dict]:
+        yield M.event("message_start", message=M.message(self.message_id, self.served.name, None, (None, None),
+                                                         M.usage(self.prompt_tokens, 0, 0)))
+        yield M.event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+        yield M.event("ping")
+        stop = (None, None)
+        async for _, item in self._events(choices):
+            err = _error_of(item)
+            if err is not None:
+                for event in self._failed(err):
+                    yield event
+                return
+            token_ids, delta, _ = self._output(item)
+            self.completion_tokens += len(token_ids)
+            if delta:
+                yield M.event("content_block_delta", index=0, delta={"type": "text_delta", "text": delta})
+            if item.finished:
+                stop = M.stop_of(item.finish_reason, item.stop_reason)
+        yield M.event("content_block_stop", index=0)
+        use = self.usage(self.completion_tokens)
+        yield M.event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]},
+                      usage=M.usage(use["prompt_tokens"], use["completion_tokens"],
+                                    use["prompt_tokens_details"]["cached_tokens"]))
+        yield M.event("message_stop")
+
+
 def _resolve_priority(req: P.GenerationRequest, header: str | None, cfg: ServerConfig) -> P.GenerationRequest:
     """The body's `priority`, else the `X-Priority` header, else 0: an integer or a class name."""
     value, param = (req.priority, "priority") if req.priority is not None else (header, "X-Priority")
@@ -541,9 +588,12 @@ def _cache_salt(req: P.GenerationRequest, request: Request, cfg: ServerConfig) -
 
 
 def _api_key(request: Request) -> str:
-    """The bearer token the request authenticated with ("" without one): the rate-limit key."""
+    """The key the request authenticated with ("" without one): the rate-limit key. A bearer
+    token, else Anthropic's `x-api-key` header (what Anthropic's SDKs send)."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
+    if scheme.lower() == "bearer":
+        return token.strip()
+    return request.headers.get("x-api-key", "").strip()
 
 
 def _holds_key(request: Request, keys: list[bytes]) -> bool:
@@ -610,22 +660,23 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
     def authorized(request: Request) -> bool:
         return not keys or request.url.path in OPEN_PATHS or _holds_key(request, keys)
 
-    def api(handler):
-        """Authentication, a request id, and APIError -> an OpenAI-shaped JSON error."""
+    def api(handler, anthropic: bool = False):
+        """Authentication, a request id, and APIError -> an OpenAI-shaped JSON error (in
+        Anthropic's envelope on the Messages API's routes)."""
 
         async def wrapped(request: Request):
             rid = request_id_from(request.headers.get("x-request-id"))
             REQUEST_ID.set(rid)  # each request runs in its own task, so its own context
             if not authorized(request):
-                return error_response(APIError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
-                                               code="invalid_api_key"), rid)
+                return error_response(APIError(401, "a valid API key is required: send 'Authorization: Bearer KEY'"
+                                                    " (or 'x-api-key: KEY')", code="invalid_api_key"), rid, anthropic)
             try:
                 response = await handler(request, rid)
             except APIError as e:
-                response = error_response(e, rid)
+                response = error_response(e, rid, anthropic)
             except Exception as e:  # noqa: BLE001 - one failing request answers 500, the server keeps serving
                 log.exception("request %s failed", rid)
-                response = error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"), rid)
+                response = error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"), rid, anthropic)
             response.headers["X-Request-Id"] = rid
             span = getattr(request.state, "span", None)
             traceparent = span.traceparent() if span is not None else request.headers.get("traceparent")
@@ -661,15 +712,20 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         return JSONResponse({"models": {name: m.stats() for name, m in registry.models.items()},
                              "admission": admission.stats()})
 
-    async def generation(request: Request, rid: str, chat: bool, responses: bool = False):
-        """A chat or completion request, or (responses) a Responses API one run as a chat."""
+    async def generation(request: Request, rid: str, chat: bool, api_kind: str = "openai"):
+        """A chat or completion request, or a Responses API ("responses") or Anthropic Messages
+        API ("messages") one, run as a chat."""
         arrival = time.monotonic()  # deadlines and first-come order count from here
         if not lifecycle.accepting:
             raise lifecycle.refusal()
         P.check_content_type(request.headers.get("content-type"))
         body = P.parse_json(await read_body(request, cfg.max_body_bytes))
+        responses, messages = api_kind == "responses", api_kind == "messages"
         rreq = R.parse_responses(body) if responses else None
-        req = rreq.chat if responses else P.parse_generation(body, chat=chat, max_n=cfg.max_n)
+        if messages:
+            req = M.parse_messages(body).chat
+        else:
+            req = rreq.chat if responses else P.parse_generation(body, chat=chat, max_n=cfg.max_n)
         req = _with_header_timeout(req, request.headers.get("x-request-timeout"))
         req = _resolve_priority(req, request.headers.get("x-priority"), cfg)
         if responses:
@@ -690,7 +746,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
                                      pool_tokens=served.limits.pool_tokens)
         except APIError as e:
             span.end(f"{e.status} {e.code}: {e.message}")
-            raise R.in_own_names(e) if responses else e
+            raise R.in_own_names(e) if responses else M.in_own_names(e) if messages else e
         span.event("queued")
         log.info("%s %s: %d choice(s), %d prompt tokens, priority %d", request.method, request.url.path,
                  len(choices), sum(prompt_lens), req.priority)
@@ -700,6 +756,9 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         if responses:
             responder = ResponsesResponder(rreq, served, rid, prompt_lens, admission, ticket, span, lifecycle.open,
                                            cfg.log_requests)
+        elif messages:
+            responder = MessagesResponder(served, req, rid, prompt_lens, admission, ticket, span, lifecycle.open,
+                                          cfg.log_requests)
         else:
             responder = Responder(served, req, rid, prompt_lens, admission, ticket, span, lifecycle.open,
                                   cfg.log_requests)
@@ -787,7 +846,17 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         return await generation(request, rid, chat=False)
 
     async def responses(request: Request, rid: str):
-        return await generation(request, rid, chat=True, responses=True)
+        return await generation(request, rid, chat=True, api_kind="responses")
+
+    async def messages(request: Request, rid: str):
+        return await generation(request, rid, chat=True, api_kind="messages")
+
+    async def count_tokens(request: Request, rid: str):
+        """Anthropic's count_tokens: the prompt tokens a Messages request with this body would have."""
+        P.check_content_type(request.headers.get("content-type"))
+        req = M.parse_messages(P.parse_json(await read_body(request, cfg.max_body_bytes)), counting=True).chat
+        served = registry.get(req.model)
+        return JSONResponse({"input_tokens": len(P.render_chat(served.tokenizer, req.messages, req.chat_template))})
 
     async def http_error(request: Request, exc: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
@@ -819,6 +888,8 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         Route("/v1/chat/completions", api(chat_completions), methods=["POST"]),
         Route("/v1/completions", api(completions), methods=["POST"]),
         Route("/v1/responses", api(responses), methods=["POST"]),
+        Route("/v1/messages", api(messages, anthropic=True), methods=["POST"]),
+        Route("/v1/messages/count_tokens", api(count_tokens, anthropic=True), methods=["POST"]),
         Route("/tokenize", api(tokenize), methods=["POST"]),
         Route("/detokenize", api(detokenize), methods=["POST"]),
     ]

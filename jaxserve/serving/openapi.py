@@ -226,6 +226,44 @@ _RESPONSES_RESPONSE = {
     "required": ["id", "object", "created_at", "status", "model", "output"],
 }
 
+_TEXT_BLOCKS = {"type": "array", "items": {"type": "object", "properties": {
+    "type": {"const": "text"}, "text": {"type": "string"}}, "required": ["type", "text"]}}
+
+_MESSAGES_REQUEST = {
+    "type": "object",
+    "description": "Anthropic's Messages API, run as a chat; tools, extended thinking and image or document "
+                   "blocks are 400s. Errors come in Anthropic's envelope {type: error, error: {...}}",
+    "properties": {
+        **{k: _SAMPLING[k] for k in ("model", "stream", "top_p", "top_k", "seed", "priority", "timeout",
+                                     "cache_salt")},
+        "max_tokens": _SAMPLING["max_tokens"],
+        "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
+            "role": {"enum": ["user", "assistant"]}, "content": {"anyOf": [{"type": "string"}, _TEXT_BLOCKS]}},
+            "required": ["role", "content"]}},
+        "system": {"anyOf": [{"type": "string"}, _TEXT_BLOCKS]},
+        "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1},
+                           "maxItems": MAX_STOP_SEQUENCES},
+        "temperature": _num(0, 1),
+        "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}},
+    },
+    "required": ["max_tokens", "messages"],
+}
+
+_MESSAGE_RESPONSE = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
+        "model": {"type": "string"}, "content": _TEXT_BLOCKS,
+        "stop_reason": _nullable({"enum": ["end_turn", "max_tokens", "stop_sequence", "timeout"]}),
+        "stop_sequence": _nullable({"type": "string"}),
+        "usage": {"type": "object", "properties": {"input_tokens": {"type": "integer"},
+                                                   "output_tokens": {"type": "integer"},
+                                                   "cache_read_input_tokens": {"type": "integer"}},
+                  "required": ["input_tokens", "output_tokens"]},
+    },
+    "required": ["id", "type", "role", "model", "content", "stop_reason", "usage"],
+}
+
 _FINISH = _nullable({"enum": ["stop", "length", "abort", "timeout", "error"]})
 
 _USAGE = {
@@ -350,6 +388,9 @@ def openapi_document(version: str, models: list[str] | None = None, max_n: int |
         requests[name] = {**schema, "properties": {**schema["properties"], **fields}}
     model = {"model": served["model"]} if "model" in served else {}
     limit = {"max_output_tokens": served["max_tokens"]} if "max_tokens" in served else {}
+    requests["MessagesRequest"] = {**_MESSAGES_REQUEST, "properties": {
+        **_MESSAGES_REQUEST["properties"], **{k: v for k, v in served.items() if k in ("model", "priority", "max_tokens")}}}
+    requests["CountTokensRequest"] = {**requests["MessagesRequest"], "required": ["messages"]}
     requests["ResponsesRequest"] = {**_RESPONSES_REQUEST, "properties": {
         **_RESPONSES_REQUEST["properties"], **{k: v for k, v in served.items() if k in ("model", "priority")},
         **limit}}
@@ -374,6 +415,12 @@ def openapi_document(version: str, models: list[str] | None = None, max_n: int |
             "/v1/responses": _generation("OpenAI's Responses API (stream: true sends its typed events, "
                                          "ending with response.completed or response.incomplete)",
                                          "ResponsesRequest", "Response"),
+            "/v1/messages": _generation("Anthropic's Messages API (stream: true sends its events, message_start "
+                                        "... message_stop)", "MessagesRequest", "Message"),
+            "/v1/messages/count_tokens": _post("The prompt tokens of a Messages request (Anthropic's)",
+                                               "CountTokensRequest", {"type": "object", "properties": {
+                                                   "input_tokens": {"type": "integer"}},
+                                                   "required": ["input_tokens"]}),
             "/tokenize": _post("Token ids of a prompt or a conversation (vLLM's)", "TokenizeRequest",
                                _TOKENIZE_RESPONSE),
             "/detokenize": _post("Text of token ids (vLLM's)", "DetokenizeRequest",
@@ -398,6 +445,6 @@ def openapi_document(version: str, models: list[str] | None = None, max_n: int |
         "components": {"schemas": {
             **requests, "ChatMessage": _MESSAGE, "ChatCompletion": _CHAT_RESPONSE, "Completion": _COMPLETION_RESPONSE,
             "Model": _MODEL, "Health": _HEALTH, "Error": _ERROR, "ResponsesMessage": _RESPONSES_MESSAGE,
-            "Response": _RESPONSES_RESPONSE,
+            "Response": _RESPONSES_RESPONSE, "Message": _MESSAGE_RESPONSE,
         }},
     }
