@@ -301,6 +301,10 @@ BAD = [
     ("return-token-ids-string", CHAT, _chat(return_token_ids="yes"), {}, 400, "return_token_ids"),
     ("continuous-usage-stats-string", CHAT, _chat(stream=True, stream_options={"include_usage": True,
                                                   "continuous_usage_stats": 1}), {}, 400, "continuous_usage_stats"),
+    ("tool-choice-required-without-tools", CHAT, _chat(tool_choice="required"), {}, 400, "tool_choice"),
+    ("audio-output", CHAT, _chat(modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}), {}, 400,
+     "modalities"),
+    ("request-chat-template", CHAT, _chat(chat_template="{{ messages[0].content }}"), {}, 400, "chat_template"),
     ("vllm-guided-choice", CHAT, _chat(guided_choice=["yes", "no"]), {}, 400, "guided_choice"),
     ("vllm-guided-json", COMPLETIONS, _completion(guided_json={"type": "object"}), {}, 400, "guided_json"),
     ("vllm-structured-outputs", CHAT, _chat(structured_outputs={"regex": "[0-9]+"}), {}, 400, "structured_outputs"),
@@ -391,6 +395,7 @@ BAD = [
     ("best-of-equal-to-n-and-empty-suffix", COMPLETIONS, _completion(best_of=1, suffix=""), {}, 200, None),
     ("min-tokens-equal-to-max-tokens", COMPLETIONS, _completion(min_tokens=4), {}, 200, None),
     ("echo-with-logprobs", COMPLETIONS, _completion(max_tokens=1, echo=True, logprobs=1), {}, 200, None),
+    ("tool-choice-none-and-text-modality", CHAT, _chat(tool_choice="none", modalities=["text"]), {}, 200, None),
     ("truncate-prompt-tokens-to-the-context", CHAT, _chat(truncate_prompt_tokens=-1), {}, 200, None),
     ("prompt-logprobs-zero", COMPLETIONS, _completion(max_tokens=1, prompt_logprobs=0), {}, 200, None),
 ]

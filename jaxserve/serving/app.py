@@ -410,6 +410,18 @@ class Responder:
     def _sse(obj: dict) -> dict:
         return {"data": json.dumps(obj, ensure_ascii=False)}
 
+    async def _text(self, choices: list[Choice]) -> AsyncIterator[tuple[str, TokenEvent | None, APIError | None]]:
+        """The one choice's text as it comes, for APIs with one answer per request (Responses,
+        Messages): (new text, the finishing event or None, the error that ended it or None)."""
+        async for _, item in self._events(choices):
+            err = _error_of(item)
+            if err is not None:
+                yield "", None, err
+                return
+            token_ids, delta, _ = self._output(item)
+            self.completion_tokens += len(token_ids)
+            yield delta, item if item.finished else None, None
+
     async def whole(self, choices: list[Choice]) -> dict:
         req = self.req
         results = {c.index: ChoiceResult(text=self.echo[c.prompt_index] if self.echo else "") for c in choices}
@@ -498,19 +510,16 @@ class ResponsesResponder(Responder):
                           item=R.output_message(self.item_id, None, "in_progress"))
         yield self._event("response.content_part.added", **where, part=R.output_text(""))
         text, finish = "", None
-        async for _, item in self._events(choices):
-            err = _error_of(item)
+        async for delta, done, err in self._text(choices):
             if err is not None:
                 for event in self._failed(err):
                     yield event
                 return
-            token_ids, delta, _ = self._output(item)
-            self.completion_tokens += len(token_ids)
             if delta:
                 text += delta
                 yield self._event("response.output_text.delta", **where, delta=delta, logprobs=[])
-            if item.finished:
-                finish = item.finish_reason
+            if done is not None:
+                finish = done.finish_reason
         status, incomplete = R.status_of(finish)
         yield self._event("response.output_text.done", **where, text=text, logprobs=[])
         yield self._event("response.content_part.done", **where, part=R.output_text(text))
@@ -530,38 +539,31 @@ class MessagesResponder(Responder):
 
     async def whole(self, choices: list[Choice]) -> dict:
         chat = await super().whole(choices)
-        choice, use = chat["choices"][0], chat["usage"]
+        choice = chat["choices"][0]
         return M.message(self.message_id, self.served.name, choice["message"]["content"],
-                         M.stop_of(choice["finish_reason"], choice["stop_reason"]),
-                         M.usage(use["prompt_tokens"], use["completion_tokens"],
-                                 use["prompt_tokens_details"]["cached_tokens"]))
+                         M.stop_of(choice["finish_reason"], choice["stop_reason"]), M.usage(chat["usage"]))
 
     def _failed(self, e: APIError) -> list[dict]:
         return [M.event("error", error=M.error_body(e)["error"])]
 
     async def _stream(self, choices: list[Choice]) -> AsyncIterator[dict]:
         yield M.event("message_start", message=M.message(self.message_id, self.served.name, None, (None, None),
-                                                         M.usage(self.prompt_tokens, 0, 0)))
+                                                         M.usage(P.usage(self.prompt_tokens, 0))))
         yield M.event("content_block_start", index=0, content_block={"type": "text", "text": ""})
         yield M.event("ping")
         stop = (None, None)
-        async for _, item in self._events(choices):
-            err = _error_of(item)
+        async for delta, done, err in self._text(choices):
             if err is not None:
                 for event in self._failed(err):
                     yield event
                 return
-            token_ids, delta, _ = self._output(item)
-            self.completion_tokens += len(token_ids)
             if delta:
                 yield M.event("content_block_delta", index=0, delta={"type": "text_delta", "text": delta})
-            if item.finished:
-                stop = M.stop_of(item.finish_reason, item.stop_reason)
+            if done is not None:
+                stop = M.stop_of(done.finish_reason, done.stop_reason)
         yield M.event("content_block_stop", index=0)
-        use = self.usage(self.completion_tokens)
         yield M.event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]},
-                      usage=M.usage(use["prompt_tokens"], use["completion_tokens"],
-                                    use["prompt_tokens_details"]["cached_tokens"]))
+                      usage=M.usage(self.usage(self.completion_tokens)))
         yield M.event("message_stop")
 
 
@@ -722,10 +724,12 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
         body = P.parse_json(await read_body(request, cfg.max_body_bytes))
         responses, messages = api_kind == "responses", api_kind == "messages"
         rreq = R.parse_responses(body) if responses else None
-        if messages:
-            req = M.parse_messages(body).chat
+        if responses:
+            req = rreq.chat
+        elif messages:
+            req = M.parse_messages(body)
         else:
-            req = rreq.chat if responses else P.parse_generation(body, chat=chat, max_n=cfg.max_n)
+            req = P.parse_generation(body, chat=chat, max_n=cfg.max_n)
         req = _with_header_timeout(req, request.headers.get("x-request-timeout"))
         req = _resolve_priority(req, request.headers.get("x-priority"), cfg)
         if responses:
@@ -854,7 +858,7 @@ def build_app(registry: ModelRegistry, cfg: ServerConfig, *, load_on_startup: bo
     async def count_tokens(request: Request, rid: str):
         """Anthropic's count_tokens: the prompt tokens a Messages request with this body would have."""
         P.check_content_type(request.headers.get("content-type"))
-        req = M.parse_messages(P.parse_json(await read_body(request, cfg.max_body_bytes)), counting=True).chat
+        req = M.parse_messages(P.parse_json(await read_body(request, cfg.max_body_bytes)), counting=True)
         served = registry.get(req.model)
         return JSONResponse({"input_tokens": len(P.render_chat(served.tokenizer, req.messages, req.chat_template))})
 

@@ -16,7 +16,6 @@ Tools, extended thinking and image or document blocks are 400s naming the field.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 
@@ -28,11 +27,6 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                 503: "overloaded_error", 504: "timeout_error"}
 _OWN_NAMES = {"stop": "stop_sequences", "user": "metadata.user_id"}
-
-
-@dataclasses.dataclass(frozen=True)
-class MessagesRequest:
-    chat: P.GenerationRequest  # what runs it
 
 
 def error_body(e: P.APIError) -> dict:
@@ -97,8 +91,8 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def parse_messages(body: dict, *, counting: bool = False) -> MessagesRequest:
-    """A Messages body as a chat request; `counting` (count_tokens) needs no max_tokens."""
+def parse_messages(body: dict, *, counting: bool = False) -> P.GenerationRequest:
+    """A Messages body as the chat request that runs it; `counting` (count_tokens) needs no max_tokens."""
     _unsupported(body)
     chat_body = {name: body[name] for name in _PASSED_ON if name in body}
     chat_body["messages"] = _messages(body)
@@ -118,7 +112,7 @@ def parse_messages(body: dict, *, counting: bool = False) -> MessagesRequest:
             raise P.bad("'metadata' must be an object", param="metadata", code="invalid_type")
         chat_body["user"] = metadata.get("user_id")
     try:
-        return MessagesRequest(P.parse_generation(chat_body, chat=True, max_n=1))
+        return P.parse_generation(chat_body, chat=True, max_n=1)
     except P.APIError as e:
         raise in_own_names(e) from None
 
@@ -139,9 +133,11 @@ def stop_of(finish_reason: str | None, stop_reason: int | str | None) -> tuple[s
     return finish_reason, None
 
 
-def usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict:
-    """Anthropic counts the prompt's uncached tokens and its cache reads apart."""
-    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
+def usage(use: dict) -> dict:
+    """A chat usage object in Anthropic's names: the prompt's uncached tokens and its cache
+    reads are counted apart."""
+    cached = use["prompt_tokens_details"]["cached_tokens"]
+    return {"input_tokens": use["prompt_tokens"] - cached, "output_tokens": use["completion_tokens"],
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 

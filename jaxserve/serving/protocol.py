@@ -186,6 +186,14 @@ def _unsupported_features(body: dict) -> None:
         if body.get(name):  # null or an empty list asks for nothing
             raise bad(f"'{name}' (tool calling) is not supported by this server", param=name,
                       code="unsupported_value")
+    for name in ("tool_choice", "function_call"):  # without tools only "none" / "auto" ask for nothing
+        if body.get(name) not in (None, "none", "auto"):
+            raise bad(f"'{name}' asks for a tool call: tool calling is not supported by this server", param=name,
+                      code="unsupported_value")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise bad("'modalities' other than [\"text\"] (audio output) is not supported by this server",
+                  param="modalities", code="unsupported_value")
     for name, what in _UNSUPPORTED_VLLM_FIELDS.items():
         if body.get(name) not in (None, [], {}, ""):
             raise bad(f"'{name}' ({what}) is not supported by this server", param=name, code="unsupported_value")
@@ -199,6 +207,8 @@ _UNSUPPORTED_VLLM_FIELDS = {
     "structural_tag": "structural-tag-guided output", "structured_outputs": "structured output",
     "bad_words": "banned words", "allowed_token_ids": "output restricted to given token ids",
     "logits_processors": "custom logits processors",
+    "chat_template": "a chat template sent with the request (the model's own is used)",
+    "audio": "audio output", "web_search_options": "web search",
 }
 
 
@@ -505,6 +515,9 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
     if prompt is not None and not isinstance(prompt, str):
         raise bad("'prompt' must be a string here (a list of token ids is already tokenized)", param="prompt",
                   code="invalid_type")
+    if body.get("chat_template"):
+        raise bad("'chat_template' (a chat template sent with the request) is not supported by this server: the "
+                  "model's own is used", param="chat_template", code="unsupported_value")
     add_special = _field(body, "add_special_tokens", bool, not chat)
     if chat and add_special:
         raise bad("'add_special_tokens' with 'messages': the chat template writes the special tokens itself",
