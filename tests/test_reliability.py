@@ -369,6 +369,8 @@ BAD = [
      "max_output_tokens"),
     ("responses-max-output-tokens-over-the-cap", RESPONSES, {"input": "hi", "max_output_tokens": 65}, {}, 400,
      "max_output_tokens"),
+    ("responses-include-search-results", RESPONSES, {"input": "hi", "include": ["file_search_call.results"]}, {},
+     400, "include"),
     ("responses-background", RESPONSES, {"input": "hi", "background": True}, {}, 400, "background"),
     ("messages-max-tokens-missing", MESSAGES, {"messages": Q}, {}, 400, "max_tokens"),
     ("messages-system-role", MESSAGES, {"messages": [{"role": "system", "content": "x"}], "max_tokens": 4}, {}, 400,

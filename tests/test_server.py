@@ -610,6 +610,16 @@ def test_responses_api(client, model):
     assert events[-1].response.output_text == r.output_text and events[-1].response.usage.output_tokens == \
         r.usage.output_tokens
 
+    kw = dict(model=model, input="Why is the sky blue?", max_output_tokens=6, temperature=0, top_logprobs=2,
+              include=["message.output_text.logprobs"])
+    scored = client.responses.create(**kw).output[0].content[0]
+    want = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Why is the sky blue?"}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    assert [x.model_dump() for x in scored.logprobs] == [x.model_dump() for x in want.choices[0].logprobs.content]
+    assert "".join(x.token for x in scored.logprobs) == scored.text
+    deltas = [e for e in client.responses.create(stream=True, **kw) if e.type == "response.output_text.delta"]
+    assert [(x.token, x.logprob) for e in deltas for x in e.logprobs] == [(x.token, x.logprob) for x in scored.logprobs]
+
     turns = [{"role": "user", "content": [{"type": "input_text", "text": "Name a fruit."}]},
              {"role": "assistant", "content": [{"type": "output_text", "text": "Apple."}]},
              {"type": "message", "role": "user", "content": "Another one?"}]

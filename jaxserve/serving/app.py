@@ -410,17 +410,20 @@ class Responder:
     def _sse(obj: dict) -> dict:
         return {"data": json.dumps(obj, ensure_ascii=False)}
 
-    async def _text(self, choices: list[Choice]) -> AsyncIterator[tuple[str, TokenEvent | None, APIError | None]]:
+    async def _text(self, choices: list[Choice]
+                    ) -> AsyncIterator[tuple[str, list[dict], TokenEvent | None, APIError | None]]:
         """The one choice's text as it comes, for APIs with one answer per request (Responses,
-        Messages): (new text, the finishing event or None, the error that ended it or None)."""
+        Messages): (new text, its tokens' logprobs in chat's shape (when asked), the finishing
+        event or None, the error that ended it or None)."""
         async for _, item in self._events(choices):
             err = _error_of(item)
             if err is not None:
-                yield "", None, err
+                yield "", [], None, err
                 return
-            token_ids, delta, _ = self._output(item)
+            token_ids, delta, records = self._output(item)
             self.completion_tokens += len(token_ids)
-            yield delta, item if item.finished else None, None
+            lps = self._logprobs(records) if records else None
+            yield delta, lps["content"] if lps else [], item if item.finished else None, None
 
     async def whole(self, choices: list[Choice]) -> dict:
         req = self.req
@@ -488,7 +491,8 @@ class ResponsesResponder(Responder):
         chat = await super().whole(choices)
         choice = chat["choices"][0]
         status, incomplete = R.status_of(choice["finish_reason"])
-        item = R.output_message(self.item_id, choice["message"]["content"], status)
+        item = R.output_message(self.item_id, choice["message"]["content"], status,
+                                (choice["logprobs"] or {}).get("content"))
         return self._response(status, [item], incomplete, R.usage(chat["usage"]))
 
     def _event(self, kind: str, **fields) -> dict:
@@ -509,21 +513,22 @@ class ResponsesResponder(Responder):
         yield self._event("response.output_item.added", output_index=0,
                           item=R.output_message(self.item_id, None, "in_progress"))
         yield self._event("response.content_part.added", **where, part=R.output_text(""))
-        text, finish = "", None
-        async for delta, done, err in self._text(choices):
+        text, logprobs, finish = "", [], None
+        async for delta, lps, done, err in self._text(choices):
             if err is not None:
                 for event in self._failed(err):
                     yield event
                 return
-            if delta:
+            if delta or lps:
                 text += delta
-                yield self._event("response.output_text.delta", **where, delta=delta, logprobs=[])
+                logprobs += lps
+                yield self._event("response.output_text.delta", **where, delta=delta, logprobs=lps)
             if done is not None:
                 finish = done.finish_reason
         status, incomplete = R.status_of(finish)
-        yield self._event("response.output_text.done", **where, text=text, logprobs=[])
-        yield self._event("response.content_part.done", **where, part=R.output_text(text))
-        done = R.output_message(self.item_id, text, status)
+        yield self._event("response.output_text.done", **where, text=text, logprobs=logprobs)
+        yield self._event("response.content_part.done", **where, part=R.output_text(text, logprobs))
+        done = R.output_message(self.item_id, text, status, logprobs)
         yield self._event("response.output_item.done", output_index=0, item=done)
         yield self._event(f"response.{status}", response=self._response(
             status, [done], incomplete, R.usage(self.usage(self.completion_tokens))))
@@ -552,7 +557,7 @@ class MessagesResponder(Responder):
         yield M.event("content_block_start", index=0, content_block={"type": "text", "text": ""})
         yield M.event("ping")
         stop = (None, None)
-        async for delta, done, err in self._text(choices):
+        async for delta, _, done, err in self._text(choices):
             if err is not None:
                 for event in self._failed(err):
                     yield event

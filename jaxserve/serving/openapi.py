@@ -203,6 +203,9 @@ _RESPONSES_REQUEST = {
         "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
         "store": {"type": "boolean", "description": "accepted; nothing is stored (the response says store: false)"},
         "truncation": {"const": "disabled"},
+        "include": {"type": "array", "items": {"const": "message.output_text.logprobs"}},
+        "top_logprobs": _num(0, SamplingParams.MAX_LOGPROBS, integer=True, doc="alternatives per output token "
+                             "(asks for the output's logprobs)"),
     },
     "required": ["input"],
 }

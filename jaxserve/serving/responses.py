@@ -29,6 +29,7 @@ _PASSED_ON = ("model", "temperature", "top_p", "stream", "user", "top_k", "min_p
               "priority", "timeout", "cache_salt", "speculative", "skip_special_tokens", "logit_bias",
               "chat_template_kwargs")
 _ROLES = ("user", "system", "developer", "assistant")
+LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for the output's logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +49,14 @@ def _unsupported(body: dict) -> None:
         "prompt": "stored prompt templates are not supported",
         "background": "background responses are not supported",
         "tools": "tool calling is not supported by this server",
-        "include": "extra output ('include') is not supported by this server",
     }
     for name, why in refuse.items():
         if body.get(name) not in (None, False, [], {}, ""):
             raise P.bad(f"'{name}': {why}", param=name, code="unsupported_value")
+    include = body.get("include")
+    if include is not None and (not isinstance(include, list) or not set(include) <= {LOGPROBS}):
+        raise P.bad(f"'include' may only name {LOGPROBS!r} here (this server has no tools, files or reasoning "
+                    "to include)", param="include", code="unsupported_value")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise P.bad("'tool_choice': tool calling is not supported by this server", param="tool_choice",
                     code="unsupported_value")
@@ -122,6 +126,9 @@ def parse_responses(body: dict) -> ResponsesRequest:
     chat_body["messages"] = _messages(body)
     if max_output is not None:
         chat_body["max_tokens"] = max_output
+    if LOGPROBS in (body.get("include") or []) or body.get("top_logprobs") is not None:
+        chat_body["logprobs"] = True  # each output token's, with top_logprobs alternatives (chat's shape)
+        chat_body["top_logprobs"] = body.get("top_logprobs")
     try:
         chat = P.parse_generation(chat_body, chat=True, max_n=1)
     except P.APIError as e:
@@ -151,13 +158,14 @@ def new_ids() -> tuple[str, str]:
     return f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
 
 
-def output_message(item_id: str, text: str | None, status: str) -> dict:
-    content = [] if text is None else [output_text(text)]
+def output_message(item_id: str, text: str | None, status: str, logprobs: list[dict] | None = None) -> dict:
+    content = [] if text is None else [output_text(text, logprobs)]
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
-def output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict] | None = None) -> dict:
+    """logprobs: chat's `logprobs.content` entries (token, logprob, bytes, top_logprobs), the same here."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def usage(use: dict) -> dict:
@@ -186,7 +194,8 @@ def response_object(req: ResponsesRequest, rid: str, model: str, created: int, o
         "output": output, "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens, "metadata": req.metadata, "parallel_tool_calls": False,
         "previous_response_id": None, "store": False, "temperature": sampling["temperature"],
-        "top_p": sampling["top_p"], "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [],
+        "top_p": sampling["top_p"], "top_logprobs": req.chat.logprobs, "text": {"format": {"type": "text"}},
+        "tool_choice": "none", "tools": [],
         "truncation": "disabled", "user": req.chat.user, "usage": use,
         **({"completed_at": int(time.time())} if status != "in_progress" else {}),
     }
