@@ -51,7 +51,7 @@ from jaxserve.engine.sampler import (NUM_TOP_LOGPROBS, STOP_ID_SLOTS, SampleOutp
                                      probabilities, ranked_token_logprobs, sample, uniform_noise)
 from jaxserve.engine.sequence import SamplingParams, Sequence
 from jaxserve.engine.speculative import ACCEPT_STREAM, accept_drafts, accepted_lengths
-from jaxserve.layers import cpu_attention, parallel
+from jaxserve.layers import cpu_attention, cpu_gemv, parallel
 from jaxserve.layers.attention import AttentionMetadata, fp8_bits, init_kv_cache, kv_storage, pallas_reads_kv
 from jaxserve.layers.linear import resolve as resolve_impl
 from jaxserve.models import family
@@ -201,6 +201,12 @@ def resolve_attention(cfg: EngineConfig, ahead_of_time: bool = False) -> str:
 class ModelRunner:
     """Owns the parameters, the KV cache and the compiled step executables."""
 
+    @staticmethod
+    def uses_cpu_matmul_kernel(cfg: EngineConfig, mesh: Mesh | None, target) -> bool:
+        """W8A8 on this CPU, one device, not compiled for another target, and the kernel built."""
+        return (cfg.quantization == "w8a8" and cfg.cpu_matmul_kernel and mesh is None and target is None
+                and jax.default_backend() == "cpu" and not cpu_gemv.unavailable())
+
     def __init__(self, model_cfg: ModelConfig, params: dict, cfg: EngineConfig, num_pages: int,
                  mesh: Mesh | None = None, target: jax.sharding.Sharding | None = None,
                  kv_scales: np.ndarray | None = None):
@@ -230,6 +236,8 @@ class ModelRunner:
             log.warning("%s: attention runs on XLA", why)
             self.attention_impl = "xla"
         self.matmul_impl = "w8a8" if cfg.quantization == "w8a8" else resolve_impl(cfg.matmul_impl)
+        if self.uses_cpu_matmul_kernel(cfg, mesh, target):  # few-row W8A8 products in the C++ kernel
+            self.params = cpu_gemv.with_tiles(self.params)
         # The platform the steps run on (an AOT target's): on a CPU fp8 pages are uint8 bits (`fp8_bits`).
         self.platform = device.platform
         self.fp8_bits = fp8_bits(cfg.kv_cache_dtype, self.platform)

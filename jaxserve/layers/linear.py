@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.layers import cpu_gemv
 from jaxserve.layers.parallel import weight_specs
 from jaxserve.layers.rotation import rotate_inputs, unrotate_rows, unsigned
 from pallas_kernels.quantized_matmul import int4_matmul, int8_matmul, unpack_int4
@@ -91,7 +92,7 @@ def linear(x: jax.Array, w, impl: str = "xla", interpret: bool = False, mesh: Me
     flat = x.reshape(-1, K)
     if "q8" in w:
         if impl == "w8a8":
-            y = w8a8_matmul(flat, w["q8"], w["scale"])
+            y = w8a8_matmul(flat, w["q8"], w["scale"], w if "tiles" in w else None)
         elif impl == "pallas":
             y = int8_matmul(flat, w["q8"], w["scale"], interpret=interpret)
         else:
@@ -160,13 +161,16 @@ def _exact_int_dot(xq: jax.Array, wq: jax.Array, via=jnp.float32) -> jax.Array:
     return acc
 
 
-def w8a8_matmul(x: jax.Array, q8: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [M, K] float, q8 int8 [K, N] with per-channel scale [N] -> float32 [M, N].
+def w8a8_matmul(x: jax.Array, q8: jax.Array, scale: jax.Array, tiles: dict | None = None) -> jax.Array:
+    """x [M, K] float, q8 int8 [K, N] with per-channel scale [N] -> float32 [M, N]. `tiles`: the
+    weight laid out for the CPU kernel (layers/cpu_gemv.py), which then multiplies few rows.
 
     The same for a row whatever M is: the integer product is exact on every path."""
     xq, xs = quantize_rows(x)
     M = x.shape[0]
-    if M < W8A8_MIN_ROWS:
+    if M < W8A8_MIN_ROWS and tiles is not None:
+        acc = cpu_gemv.gemv(xq, tiles, q8.shape[1])
+    elif M < W8A8_MIN_ROWS:
         acc = _exact_int_dot(xq, q8, jnp.float32)
     elif M >= W8A8_BF16_ROWS:
         acc = _exact_int_dot(xq, q8, jnp.bfloat16)
@@ -223,7 +227,9 @@ def tied_logits(hidden: jax.Array, table, impl: str = "xla", mesh: Mesh | None =
     lead, flat = hidden.shape[:-1], hidden.reshape(-1, hidden.shape[-1])
     if impl == "w8a8":
         xq, xs = quantize_rows(flat)
-        if flat.shape[0] < W8A8_MIN_ROWS and flat.shape[1] <= EXACT_F32_TERMS:  # exact, as _exact_int_dot
+        if flat.shape[0] < W8A8_MIN_ROWS and "tiles" in table:  # the CPU kernel (the [D, V] it multiplies)
+            acc = cpu_gemv.gemv(xq, table, table["q8"].shape[0]).astype(jnp.float32)
+        elif flat.shape[0] < W8A8_MIN_ROWS and flat.shape[1] <= EXACT_F32_TERMS:  # exact, as _exact_int_dot
             acc = _widened_rows_dot(xq.astype(jnp.float32), table["q8"])
         else:
             acc = _int8_dot(xq, table["q8"], ((1,), (1,))).astype(jnp.float32)
