@@ -220,6 +220,7 @@ def serve_configs(args):
                              ("quantization", args.quantization), ("decode_steps", args.decode_steps),
                              ("overlap", args.overlap), ("enable_prefix_caching", args.enable_prefix_caching),
                              ("kv_cache_dtype", args.kv_cache_dtype), ("attention_impl", args.attention_impl),
+                             ("cpu_matmul_kernel", args.cpu_matmul_kernel),
                              ("tensor_parallel_size", args.tensor_parallel_size))
            if v is not None}
     spec = _speculative_options(args)
@@ -405,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--attention-impl", choices=("auto", "pallas", "xla", "cpu"),
                    help="attention kernel: auto (Pallas on a GPU; on a CPU the C++ decode kernel over float32 "
                         "pages, else XLA), pallas, xla, or cpu (default auto)")
+    s.add_argument("--cpu-matmul-kernel", action=argparse.BooleanOptionalAction, default=None,
+                   help="on a CPU, W8A8 products of fewer than 8 rows in the C++ int8 kernel (default: on)")
     _tensor_parallel_argument(s)
     _speculative_arguments(s)
     s.add_argument("--log-format", choices=("text", "json"), default="text",

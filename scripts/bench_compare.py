@@ -57,6 +57,7 @@ def free_port() -> int:
 ABLATION = {
     "preset": [],
     "XLA decode attention instead of the CPU kernel": ["--attention-impl", "xla"],
+    "XLA W8A8 matmuls instead of the CPU kernel": ["--no-cpu-matmul-kernel"],
     "overlap off": ["--no-overlap"],
     "multi-step off (decode_steps 1)": ["--decode-steps", "1"],
     "float32 weights (quantization none)": ["--quantization", "none"],

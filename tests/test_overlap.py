@@ -153,10 +153,10 @@ def test_serve_flags_override_the_preset(tiny_model_dir):
     preset = str(Path(__file__).resolve().parent.parent / "configs" / "server.toml")
     base = ["serve", "--config", preset, "--model", str(tiny_model_dir)]
     _, eng = serve_configs(build_parser().parse_args(base))
-    assert (eng.quantization, eng.decode_steps, eng.overlap) == ("w8a8", 4, True)
+    assert (eng.quantization, eng.decode_steps, eng.overlap, eng.cpu_matmul_kernel) == ("w8a8", 4, True, True)
     _, eng = serve_configs(build_parser().parse_args(
-        base + ["--quantization", "none", "--decode-steps", "1", "--no-overlap"]))
-    assert (eng.quantization, eng.decode_steps, eng.overlap) == (None, 1, False)
+        base + ["--quantization", "none", "--decode-steps", "1", "--no-overlap", "--no-cpu-matmul-kernel"]))
+    assert (eng.quantization, eng.decode_steps, eng.overlap, eng.cpu_matmul_kernel) == (None, 1, False, False)
     _, eng = serve_configs(build_parser().parse_args(base + ["--quantization", "int8"]))
     assert eng.quantization == "int8" and eng.decode_steps == 4 and eng.enable_prefix_caching
     _, eng = serve_configs(build_parser().parse_args(base + ["--no-enable-prefix-caching"]))

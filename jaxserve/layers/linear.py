@@ -11,7 +11,9 @@ A weight is a float array [K, N], or a quantized dict (jaxserve/checkpoint/quant
             into int32 by XLA (YNNPACK on a CPU), and rescaled by the token and channel
             scales. Below W8A8_MIN_ROWS rows the same int8 values are multiplied as
             float32, from W8A8_BF16_ROWS as bfloat16, exactly (`_exact_int_dot`): the
-            same result bit for bit, faster there;
+            same result bit for bit, faster there; on a CPU, below W8A8_MIN_ROWS rows a
+            weight the runner laid out for it ("tiles": layers/cpu_gemv.py) is multiplied by
+            a C++ kernel instead, the same integers again, faster still;
   "auto"    pallas on a GPU, xla elsewhere.
 Float weights always take a plain XLA dot. A weight quantized for W8A8 also carries the
 signs of the rotation it was quantized under ({"q8", "scale", "signs"}: layers/rotation.py):
