@@ -39,7 +39,8 @@ def test_the_kernel_is_the_exact_int8_product(K, N):
 def test_tiled_weights_give_a_row_the_same_bits():
     """with_tiles lays out every int8 weight of a parameter tree (stacked layers as they are,
     the tied table as the [D, V] it multiplies); W8A8 products and the tied lm_head of 1-7
-    rows through the kernel equal XLA's exact path, inside a scan over the layers too."""
+    rows through the kernel equal XLA's exact path, inside a scan over the layers too: a
+    layer's slice of the stack, or the whole stack and the layer's index (split_stacks)."""
     rng = np.random.default_rng(3)
     L, K, N, V = 2, 96, 80, 300
     layer = {"q8": jnp.asarray(rng.integers(-127, 128, (L, K, N)), jnp.int8),
@@ -51,13 +52,20 @@ def test_tiled_weights_give_a_row_the_same_bits():
     assert tiled["layers"]["wq"]["tiles"].shape == (L, 2, K // 4, 64, 4)
     assert tiled["embed"]["tiles"].shape == (5, K // 4, 64, 4) and "tiles" not in params["embed"]
 
-    def stack(x, layers):
+    def stack(x, layers):  # each layer's slice, as a plain scan gives it
         return jax.lax.scan(lambda c, p: (c, linear(c, p, "w8a8")), x, layers)[1]
+
+    def in_place(x, layers):  # the whole stacks and the layer's index, as the model passes them
+        scanned, whole = cpu_gemv.split_stacks({"wq": layers})
+        body = lambda c, pl: (c, linear(c, cpu_gemv.join_stacks(pl[0], whole, pl[1])["wq"], "w8a8"))  # noqa: E731
+        return jax.lax.scan(body, x, (scanned, jnp.arange(L, dtype=jnp.int32)))[1]
 
     for rows in (1, 3, W8A8_MIN_ROWS - 1):
         x = jnp.asarray(rng.standard_normal((rows, K)), jnp.float32)
-        want, got = jax.jit(stack)(x, layer), jax.jit(stack)(x, tiled["layers"]["wq"])
-        assert np.array_equal(np.asarray(got), np.asarray(want)), rows
+        want = jax.jit(stack)(x, layer)
+        for f in (stack, in_place):
+            got = jax.jit(f)(x, tiled["layers"]["wq"])
+            assert np.array_equal(np.asarray(got), np.asarray(want)), (f, rows)
         head = jax.jit(lambda h, t: tied_logits(h, t, "w8a8"))
         assert np.array_equal(np.asarray(head(x, tiled["embed"])), np.asarray(head(x, table))), rows
 

@@ -66,12 +66,41 @@ def with_tiles(params: dict) -> dict:
     return walk(params, False)
 
 
+STACKED = ("tiles", "offset")  # the leaves the kernel reads whole, with a layer index
+
+
+def split_stacks(layers: dict) -> tuple[dict, dict]:
+    """(the layers' parameters without the kernel's leaves, those leaves {name: {"tiles",
+    "offset"}} of every layer). A scan over the layers would slice each layer's share out of
+    them, and XLA copies such a slice before a custom call reads it (the weights' bytes read
+    and written again every step); the kernel takes the whole stack and the layer's index."""
+    scanned, whole = {}, {}
+    for name, w in layers.items():
+        if isinstance(w, dict) and "tiles" in w:
+            scanned[name] = {k: a for k, a in w.items() if k not in STACKED}
+            whole[name] = {k: w[k] for k in STACKED}
+        else:
+            scanned[name] = w
+    return scanned, whole
+
+
+def join_stacks(p: dict, whole: dict, layer: jax.Array) -> dict:
+    """One layer's parameters (a scan's slice) with the kernel's whole stacks and its index."""
+    return {**p, **{name: {**p[name], **stack, "layer": layer} for name, stack in whole.items()}}
+
+
 def gemv(xq: jax.Array, w: dict, n: int) -> jax.Array:
-    """int8 rows [M, K] (M <= MAX_ROWS) @ the weight laid out in `w` -> int32 [M, n], exactly."""
+    """int8 rows [M, K] (M <= MAX_ROWS) @ the weight laid out in `w` -> int32 [M, n], exactly.
+    `w` holds one weight's "tiles" and "offset", or a stack of them and the "layer" to take."""
+    if unavailable():  # (also what registers the kernel, once)
+        raise RuntimeError(f"CPU int8 matmul kernel unavailable: {unavailable()}")
+    tiles, offset, layer = w["tiles"], w["offset"], w.get("layer", 0)
+    if tiles.ndim == 4:  # one weight: a stack of one
+        tiles, offset = tiles[None], offset[None]
     M, K = xq.shape
-    Kp = w["tiles"].shape[-3] * 4
+    Kp = tiles.shape[-3] * 4
     if Kp != K:
         xq = jnp.pad(xq, ((0, 0), (0, Kp - K)))
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, w["offset"].shape[-1]), jnp.int32))
-    out = call(xq, w["tiles"], w["offset"])
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, offset.shape[-1]), jnp.int32))
+    out = call(xq, tiles, offset, jnp.asarray(layer, jnp.int32))
     return out[:, :n] if out.shape[1] != n else out

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.layers import cpu_gemv
 from jaxserve.layers.attention import KEY_TRANSFORM, AttentionMetadata, attention
 from jaxserve.layers.linear import embed, linear, tied_logits
 
@@ -78,10 +79,12 @@ def _qkv(cfg: ModelConfig, meta: AttentionMetadata, p, x: jax.Array):
             rope(k.reshape(B, T, K, Dh), meta.positions, inv_freq), v.reshape(B, T, K, Dh))
 
 
-def _layer(cfg: ModelConfig, meta: AttentionMetadata, carry, layer_in):
-    """One decoder block. carry = (x [B, T, D], kv_cache or None); layer_in = (params_l, l)."""
+def _layer(cfg: ModelConfig, meta: AttentionMetadata, whole: dict, carry, layer_in):
+    """One decoder block. carry = (x [B, T, D], kv_cache or None); layer_in = (params_l, l);
+    `whole`: the CPU matmul kernel's weights of every layer, read in place (cpu_gemv.split_stacks)."""
     x, kv_cache = carry
     p, layer = layer_in
+    p = cpu_gemv.join_stacks(p, whole, layer)
     return _block(cfg, meta, p, x, _qkv(cfg, meta, p, x), kv_cache, layer), None
 
 
@@ -106,7 +109,8 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array, meta: At
     """
     x = embed(params["embed"], tokens, params["final_norm"].dtype, meta.mesh)  # [B, T, D]
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, kv_cache), _ = jax.lax.scan(functools.partial(_layer, cfg, meta), (x, kv_cache), (params["layers"], layers))
+    scanned, whole = cpu_gemv.split_stacks(params["layers"])
+    (x, kv_cache), _ = jax.lax.scan(functools.partial(_layer, cfg, meta, whole), (x, kv_cache), (scanned, layers))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv_cache
 
 

@@ -9,11 +9,14 @@
 // a row's tokens do not depend on which path its batch took.
 //
 // Shapes (row-major):
-//   x       [M, K]                int8   the rows, quantized (K a multiple of 4)
-//   tiles   [N / 64, K / 4, 64, 4] int8  the weight w [K, N] laid out by layout(): 64 output
-//                                        channels at a time, 4 consecutive k of a channel together
-//   offset  [N]                   int32  128 * sum_k w[k, n] (see below)
-//   out     [M, N]                int32  x @ w
+//   x       [M, K]                    int8   the rows, quantized (K a multiple of 4)
+//   tiles   [L, N / 64, K / 4, 64, 4] int8   L layers' weights w [K, N], each laid out by layout():
+//                                            64 output channels at a time, 4 consecutive k of a
+//                                            channel together
+//   offset  [L, N]                    int32  128 * sum_k w[k, n] (see below)
+//   layer   []                        int32  which of the L to multiply: the whole stack is passed,
+//                                            so a layer's weight is read in place, never copied
+//   out     [M, N]                    int32  x @ w
 // vpdpbusd multiplies unsigned by signed bytes, so each x is read as x + 128 (its top bit flipped)
 // and 128 * sum_k w[k, n] is subtracted at the end: (x + 128) . w - 128 . w = x . w, exactly.
 
@@ -75,18 +78,21 @@ void tile_scalar(const int8_t* x, int64_t M, int64_t K, const int8_t* w, int32_t
 }
 
 ffi::Error Int8GemvImpl(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> tiles, ffi::Buffer<ffi::S32> offset,
-                        ffi::ResultBuffer<ffi::S32> out) {
-  const auto xd = x.dimensions(), td = tiles.dimensions();
-  if (xd.size() != 2 || td.size() != 4 || td[2] != kTile || td[3] != 4) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "int8_gemv: x must be [M, K], tiles [N/64, K/4, 64, 4]");
+                        ffi::Buffer<ffi::S32> layer_buf, ffi::ResultBuffer<ffi::S32> out) {
+  const auto xd = x.dimensions(), td = tiles.dimensions(), od = offset.dimensions();
+  if (xd.size() != 2 || td.size() != 5 || td[3] != kTile || td[4] != 4 || od.size() != 2) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "int8_gemv: x must be [M, K], tiles [L, N/64, K/4, 64, 4], offset [L, N]");
   }
-  const int64_t M = xd[0], K = xd[1], N = td[0] * kTile;
-  if (td[1] * 4 != K || offset.dimensions()[0] != N || M > 8) {
+  const int64_t L = td[0], M = xd[0], K = xd[1], N = td[1] * kTile;
+  if (td[2] * 4 != K || od[0] != L || od[1] != N || M > 8) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "int8_gemv: inconsistent shapes (or more than 8 rows)");
   }
+  const int64_t layer = layer_buf.typed_data()[0];
+  if (layer < 0 || layer >= L) return ffi::Error(ffi::ErrorCode::kOutOfRange, "int8_gemv: layer out of range");
   const int8_t* xs = x.typed_data();
-  const int8_t* ws = tiles.typed_data();
-  const int32_t* os = offset.typed_data();
+  const int8_t* ws = tiles.typed_data() + layer * N * K;
+  const int32_t* os = offset.typed_data() + layer * N;
   int32_t* res = out->typed_data();
   for (int64_t t = 0; t < N / kTile; ++t) {
     const int8_t* w = ws + t * K * kTile;
@@ -118,5 +124,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8Gemv, Int8GemvImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
