@@ -53,6 +53,7 @@ from jaxserve.engine.sequence import SamplingParams, Sequence
 from jaxserve.engine.speculative import ACCEPT_STREAM, accept_drafts, accepted_lengths
 from jaxserve.layers import cpu_attention, cpu_gemv, parallel
 from jaxserve.layers.attention import AttentionMetadata, fp8_bits, init_kv_cache, kv_storage, pallas_reads_kv
+from jaxserve.layers.linear import W8A8_MIN_ROWS
 from jaxserve.layers.linear import resolve as resolve_impl
 from jaxserve.models import family
 
@@ -238,6 +239,10 @@ class ModelRunner:
         self.matmul_impl = "w8a8" if cfg.quantization == "w8a8" else resolve_impl(cfg.matmul_impl)
         if self.uses_cpu_matmul_kernel(cfg, mesh, target):  # few-row W8A8 products in the C++ kernel
             self.params = cpu_gemv.with_tiles(self.params)
+            tiles = sum(a.nbytes for path, a in jax.tree_util.tree_leaves_with_path(self.params)
+                        if "tiles" in jax.tree_util.keystr(path))
+            log.info("W8A8 products of fewer than %d rows run in the CPU int8 kernel (%.0f MB of relaid weights)",
+                     W8A8_MIN_ROWS, tiles / 2**20)
         # The platform the steps run on (an AOT target's): on a CPU fp8 pages are uint8 bits (`fp8_bits`).
         self.platform = device.platform
         self.fp8_bits = fp8_bits(cfg.kv_cache_dtype, self.platform)
