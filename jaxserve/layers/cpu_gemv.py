@@ -11,7 +11,8 @@ The kernel reads the weight in its own layout, made once when the model loads (`
 a quantized weight {"q8" [..., K, N], "scale" [..., N]} gains "tiles" [..., N'/64, K'/4, 64, 4]
 (K and N padded to K' and N', multiples of 4 and 64, with zero weights) and "offset" [..., N']
 int32, 128 times each channel's sum (the kernel reads x + 128 as unsigned bytes). That is a
-second copy of the int8 weights in memory (106 MB for the default model): the int8 dot of 8
+second copy of the int8 weights in memory (128 MiB for the default model, its tied table
+included): the int8 dot of 8
 rows and more keeps reading "q8".
 """
 
