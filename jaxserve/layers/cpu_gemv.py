@@ -12,8 +12,8 @@ a quantized weight {"q8" [..., K, N], "scale" [..., N]} gains "tiles" [..., N'/6
 (K and N padded to K' and N', multiples of 4 and 64, with zero weights) and "offset" [..., N']
 int32, 128 times each channel's sum (the kernel reads x + 128 as unsigned bytes). That is a
 second copy of the int8 weights in memory (128 MiB for the default model, its tied table
-included): the int8 dot of 8
-rows and more keeps reading "q8".
+included): the int8 dot of 8 rows and more keeps reading "q8". The model hands the kernel
+each layer's weights as the whole stack and the layer's index (`split_stacks`), not as a slice.
 """
 
 from __future__ import annotations
