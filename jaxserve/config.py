@@ -266,7 +266,7 @@ class EngineConfig:
     # W8A8 on a CPU: products of fewer than 8 rows (decode of a few sequences) in a C++ kernel
     # (layers/cpu_gemv.py) that streams the int8 weights with AVX-512 VNNI; the same exact
     # integers as XLA's path, so the same tokens. It keeps a second, relaid copy of the int8
-    # weights. Off (or where it cannot be built), XLA multiplies them.
+    # weights. Off (or on a CPU without AVX-512 VNNI, or where it cannot be built), XLA multiplies them.
     cpu_matmul_kernel: bool = True
     # Multi-step decode: when no prompt waits for prefill, one device call runs this many decode
     # steps (1 turns it off). Arrivals wait for the call in flight, so keep it small.

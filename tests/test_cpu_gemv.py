@@ -9,14 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.layers import cpu_gemv
+from jaxserve.layers import cpu_gemv, cpu_kernels
 from jaxserve.layers.linear import W8A8_MIN_ROWS, _exact_int_dot, linear, tied_logits
 
 
-def test_the_kernel_builds_here():
-    assert cpu_gemv.unavailable() is None
+VNNI = {"avx512_vnni", "avx512bw"} <= set(cpu_kernels.cpu_flags().split())
+needs_vnni = pytest.mark.skipif(not VNNI, reason="this CPU has no AVX-512 VNNI: W8A8 keeps XLA's path")
 
 
+def test_the_kernel_builds_where_the_cpu_has_vnni():
+    assert (cpu_gemv.unavailable() is None) == VNNI, cpu_gemv.unavailable()
+
+
+@needs_vnni
 @pytest.mark.parametrize("K,N", [(576, 192), (1536, 576), (13, 70), (4, 64)])
 def test_the_kernel_is_the_exact_int8_product(K, N):
     """Every row count it takes (1-8), shapes that need padding (K not a multiple of 4, N not
@@ -36,6 +41,7 @@ def test_the_kernel_is_the_exact_int8_product(K, N):
     assert np.asarray(got).tolist() == [[-127 * 127 * K] * N] * 2
 
 
+@needs_vnni
 def test_tiled_weights_give_a_row_the_same_bits():
     """with_tiles lays out every int8 weight of a parameter tree (stacked layers as they are,
     the tied table as the [D, V] it multiplies); W8A8 products and the tied lm_head of 1-7
@@ -72,7 +78,7 @@ def test_tiled_weights_give_a_row_the_same_bits():
 
 def test_the_engine_gives_the_same_tokens_with_the_kernel(tiny_model_dir):
     """W8A8 engines with and without the kernel: the kernel's weights are laid out only where
-    it is on, and greedy tokens of one and of four sequences (decode steps of 1 and 4 rows,
+    it is on (and the CPU can run it), and greedy tokens of one and of four sequences (decode steps of 1 and 4 rows,
     multi-step and overlapped as served) are identical."""
     import random
 
@@ -84,7 +90,7 @@ def test_the_engine_gives_the_same_tokens_with_the_kernel(tiny_model_dir):
                 prefill_length_buckets=(64,), prefill_batch_buckets=(1, 4), quantization="w8a8")
     engines = {on: Engine(tiny_model_dir, EngineConfig(**base, cpu_matmul_kernel=on), warmup=False)
                for on in (False, True)}
-    assert {on: "tiles" in e.runner.params["layers"]["wq"] for on, e in engines.items()} == {False: False, True: True}
+    assert {on: "tiles" in e.runner.params["layers"]["wq"] for on, e in engines.items()} == {False: False, True: VNNI}
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(3, 40))] for _ in range(4)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

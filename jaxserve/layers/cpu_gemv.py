@@ -37,8 +37,14 @@ MAX_ROWS = 8  # the most rows one call multiplies
 
 @functools.lru_cache(maxsize=None)
 def unavailable() -> str | None:
-    """Build, load and register the kernel (once); None when it is ready, else why it is not."""
-    why = cpu_kernels.load(SOURCE, "JaxserveInt8Gemv", TARGET)
+    """Build, load and register the kernel (once); None when it is ready, else why it is not.
+    A CPU without AVX-512 VNNI (its u8 x s8 dot products) keeps XLA's path: the kernel is
+    written for them."""
+    flags = cpu_kernels.cpu_flags().split()
+    if jax.default_backend() == "cpu" and not {"avx512_vnni", "avx512bw"} <= set(flags):
+        why = "this CPU has no AVX-512 VNNI"
+    else:
+        why = cpu_kernels.load(SOURCE, "JaxserveInt8Gemv", TARGET)
     if why:
         log.warning("CPU int8 matmul kernel unavailable, W8A8 rows run on XLA: %s", why)
     return why

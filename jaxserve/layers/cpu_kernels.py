@@ -25,7 +25,8 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC", "-fopenmp
 LINK_FLAGS = ("-shared", "-pthread")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's feature flags line from /proc/cpuinfo ("" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -43,7 +44,7 @@ def build(source: Path) -> Path:
     if not cxx:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
     key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS + LINK_FLAGS).encode(),
-                                     jaxlib.__version__.encode(), _cpu_flags().encode()])).hexdigest()[:16]
+                                     jaxlib.__version__.encode(), cpu_flags().encode()])).hexdigest()[:16]
     root = Path(os.environ.get("JAXSERVE_KERNEL_CACHE", "~/.cache/jaxserve/kernels")).expanduser()
     lib = root / f"{source.stem}-{key}.so"
     if lib.exists():

@@ -4,9 +4,9 @@
 // model, so it is bound by reading the weights. XLA:CPU's int8 dot refuses one row (YNNPACK) and
 // its float32 dot of the widened int8 weight reads them at about 9 GB/s; this kernel streams the
 // int8 weight once, in the order it is stored, at the memory's speed, with AVX-512 VNNI's
-// u8 x s8 dot products (vpdpbusd) where the CPU has them. The products are integers, exact in
-// int32, so the result is the same bits as any other exact path (linear.py's _exact_int_dot):
-// a row's tokens do not depend on which path its batch took.
+// u8 x s8 dot products (vpdpbusd); a CPU without them keeps XLA's path. The products are
+// integers, exact in int32, so the result is the same bits as any other exact path (linear.py's
+// _exact_int_dot): a row's tokens do not depend on which path its batch took.
 //
 // Shapes (row-major):
 //   x       [M, K]                    int8   the rows, quantized (K a multiple of 4)
@@ -23,10 +23,10 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define JAXSERVE_VNNI 1
+#if !defined(__AVX512VNNI__) || !defined(__AVX512BW__)
+#error "int8_gemv is written for AVX-512 VNNI (layers/cpu_gemv.py keeps XLA's path on other CPUs)"
 #endif
+#include <immintrin.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -36,7 +36,6 @@ namespace {
 
 constexpr int64_t kTile = 64;  // output channels per tile: four 16-lane int32 accumulators per row
 
-#ifdef JAXSERVE_VNNI
 // One tile of 64 outputs for M rows: the tile's K / 4 groups of 256 bytes are read in order,
 // once, each used by every row.
 template <int M>
@@ -63,19 +62,6 @@ void tile_vnni(const int8_t* x, int64_t K, const int8_t* w, const int32_t* offse
       _mm512_storeu_si512(out + m * N + 16 * j, _mm512_sub_epi32(acc[m][j], o));
     }
 }
-#endif
-
-// The same in plain C++ (a CPU without VNNI): signed products, no offset needed.
-void tile_scalar(const int8_t* x, int64_t M, int64_t K, const int8_t* w, int32_t* out, int64_t N) {
-  for (int64_t m = 0; m < M; ++m) {
-    int32_t acc[kTile] = {0};
-    const int8_t* t = w;
-    for (int64_t kb = 0; kb < K / 4; ++kb, t += 4 * kTile)
-      for (int64_t n = 0; n < kTile; ++n)
-        for (int64_t i = 0; i < 4; ++i) acc[n] += int32_t(x[m * K + 4 * kb + i]) * int32_t(t[4 * n + i]);
-    std::memcpy(out + m * N, acc, sizeof(acc));
-  }
-}
 
 ffi::Error Int8GemvImpl(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> tiles, ffi::Buffer<ffi::S32> offset,
                         ffi::Buffer<ffi::S32> layer_buf, ffi::ResultBuffer<ffi::S32> out) {
@@ -97,7 +83,6 @@ ffi::Error Int8GemvImpl(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> tiles, ffi:
   for (int64_t t = 0; t < N / kTile; ++t) {
     const int8_t* w = ws + t * K * kTile;
     int32_t* o = res + t * kTile;
-#ifdef JAXSERVE_VNNI
     const int32_t* off = os + t * kTile;
     switch (M) {
       case 1: tile_vnni<1>(xs, K, w, off, o, N); break;
@@ -110,10 +95,6 @@ ffi::Error Int8GemvImpl(ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> tiles, ffi:
       case 8: tile_vnni<8>(xs, K, w, off, o, N); break;
       default: break;
     }
-#else
-    (void)os;
-    tile_scalar(xs, M, K, w, o, N);
-#endif
   }
   return ffi::Error::Success();
 }
