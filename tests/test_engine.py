@@ -281,13 +281,19 @@ def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
     import sys
 
     f = tmp_path / "prompts.txt"
-    f.write_text('The sky is\n{"prompt": "One, two,", "max_tokens": 3}\n\n{"prompt": "Hello", "stop": ["zz"]}\n')
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    f.write_text('The sky is\n{"prompt": "One, two,", "max_tokens": 3}\n\n{"prompt": "Hello", "stop": ["zz"]}\n'
+                 # a line takes a request body's options, checked as the server checks them
+                 '{"prompt": "One, two,", "logprobs": 2, "min_tokens": 4, "max_tokens": 4, "stop_token_ids": [0, 1]}\n'
+                 + json.dumps({"messages": chat, "continue_final_message": True, "add_generation_prompt": False}))
     proc = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--model", str(tiny_model_dir),
                            "--prompts-file", str(f), "--max-tokens", "5", "--max-num-seqs", "4",
                            "--max-model-len", "128"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert [r["prompt"] for r in rows] == ["The sky is", "One, two,", "Hello"]
+    assert [r["prompt"] for r in rows] == ["The sky is", "One, two,", "Hello", "One, two,", chat]
+    rows, (scored, continued) = rows[:3], rows[3:]
+    assert scored["completion_tokens"] == 4 and [len(r["top"]) for r in scored["logprobs"]] == [2] * 4
     # every row equals its prompt through LLM.generate with the line's options (per-line max_tokens, stop)
     # what the flags make (compiled as the calls need them)
     llm = LLM(tiny_model_dir, max_num_seqs=4, max_model_len=128, context_buckets=(128,), warmup=False)
@@ -300,6 +306,8 @@ def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
     assert [(r["text"], r["completion_tokens"], r["finish_reason"]) for r in rows] == \
         [(w.text, len(w.token_ids), w.finish_reason) for w in want]
     assert [len(w.token_ids) for w in want] == [5, 3, 5]  # the tiny model runs to max_tokens: the caps show
+    cont = llm.tokenizer.encode_chat(chat, False, continue_final_message=True)
+    assert continued["text"] == llm.generate([cont], SamplingParams(max_tokens=5, temperature=0))[0].text
     assert "generated tok/s" in proc.stderr
     from jaxserve.cli import _generate_engine_options, build_parser
 
@@ -313,35 +321,19 @@ def test_generate_prompts_file_runs_the_batch_engine(tiny_model_dir, tmp_path):
 
 
 def test_generate_prompts_file_lines_are_checked_as_request_bodies(tiny_model_dir, tmp_path):
-    """A --prompts-file line takes a request body's options (here min_tokens, logprobs,
-    continue_final_message) and is refused as the server refuses a body: a clear error naming
-    the line and the field, no traceback, nothing generated."""
-    import json
+    """A --prompts-file line is refused as the server refuses a body: every bad line named with
+    its field, no traceback, nothing compiled or generated. (Lines with a body's options are in
+    the test above.)"""
     import subprocess
     import sys
 
-    def run(lines: list[str]):
-        f = tmp_path / "prompts.jsonl"
-        f.write_text("\n".join(lines) + "\n")
-        return subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--model", str(tiny_model_dir),
-                               "--prompts-file", str(f), "--max-tokens", "4", "--max-num-seqs", "2",
-                               "--max-model-len", "128"], capture_output=True, text=True, timeout=600)
-
-    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    proc = run(['{"prompt": "One, two,", "logprobs": 2, "min_tokens": 4, "stop_token_ids": [0, 1, 2]}',
-                json.dumps({"messages": chat, "continue_final_message": True, "add_generation_prompt": False})])
-    assert proc.returncode == 0, proc.stderr
-    first, second = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert first["completion_tokens"] == 4 and len(first["logprobs"]) == 4
-    assert all(len(r["top"]) == 2 for r in first["logprobs"])
-    llm = LLM(tiny_model_dir, max_num_seqs=2, max_model_len=128, context_buckets=(128,), warmup=False)
-    cont = llm.tokenizer.encode_chat(chat, False, continue_final_message=True)
-    (want,) = llm.generate([cont], SamplingParams(max_tokens=4, temperature=0, seed=1))
-    assert second["text"] == want.text
-
-    proc = run(['{"prompt": "x", "max_tokens": "many"}', "a plain line is fine",
-                '{"messages": [{"role": "wizard", "content": "x"}]}', '{"prompt": "x", "n": 2}',
-                '{"prompt": "x", "max_tokens": 500}', '{"prompt": "x", "echo": true}'])
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(['{"prompt": "x", "max_tokens": "many"}', "a plain line is fine",
+                            '{"messages": [{"role": "wizard", "content": "x"}]}', '{"prompt": "x", "n": 2}',
+                            '{"prompt": "x", "max_tokens": 500}', '{"prompt": "x", "echo": true}']) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--model", str(tiny_model_dir),
+                           "--prompts-file", str(f), "--max-tokens", "4", "--max-num-seqs", "2",
+                           "--max-model-len", "128"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1 and proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
     said = proc.stderr.strip().splitlines()[-5:]  # every bad line, in order, before anything runs
     for line, start in zip(said, ["prompts.jsonl:1 ('max_tokens'): 'max_tokens' must be an integer",
