@@ -65,8 +65,7 @@ def _prompt_request(tok, limits, entry: dict, chat: bool, defaults: dict):
         ids = P.render_chat(tok, req.messages, req.chat_template)
     else:
         ids = tok.encode(req.prompts[0]) if isinstance(req.prompts[0], str) else req.prompts[0]
-    if req.truncate_prompt_tokens is not None:
-        ids = ids[-(limits.max_request_tokens if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens):]
+    ids = req.truncated(ids, limits.max_request_tokens)
     max_tokens = req.max_tokens if req.max_tokens is not None else limits.max_request_tokens - len(ids)
     params = req.sampling_params(max(max_tokens, 1), 0)
     try:

@@ -194,9 +194,7 @@ def plan_choices(served: ServedModel, req: P.GenerationRequest, max_tokens_limit
         prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
     param = "messages" if req.chat else "prompt"
     limit = limits.max_request_tokens
-    if req.truncate_prompt_tokens is not None:  # vLLM's: the prompt's end is what the answer follows
-        keep = limit if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
-        prompts = [ids[-keep:] for ids in prompts]
+    prompts = [req.truncated(ids, limit) for ids in prompts]
     choices = []
     for pi, ids in enumerate(prompts):
         max_tokens = req.max_tokens
@@ -461,13 +459,12 @@ class Responder:
             response = P.completion_response(self.rid, self.served.name, out, use)
         for c, choice in zip(choices, out):
             choice["stop_reason"] = results[c.index].stop_reason
-        if req.return_token_ids:  # vLLM's: chat's prompt ids are the response's, a completion's its choice's
-            for c, choice in zip(choices, out):
+            if req.return_token_ids:  # vLLM's: chat's prompt ids are the response's, a completion's its choice's
                 choice["token_ids"] = results[c.index].token_ids
                 if not req.chat:
                     choice["prompt_token_ids"] = c.prompt_ids
-            if req.chat:
-                response["prompt_token_ids"] = choices[0].prompt_ids
+        if req.return_token_ids and req.chat:
+            response["prompt_token_ids"] = choices[0].prompt_ids
         return response
 
 

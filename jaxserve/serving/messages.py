@@ -26,7 +26,6 @@ _PASSED_ON = ("model", "temperature", "top_p", "top_k", "stream", "priority", "t
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                 503: "overloaded_error", 504: "timeout_error"}
-_OWN_NAMES = {"stop": "stop_sequences", "user": "metadata.user_id"}
 
 
 def error_body(e: P.APIError) -> dict:
@@ -36,11 +35,8 @@ def error_body(e: P.APIError) -> dict:
 
 
 def in_own_names(e: P.APIError) -> P.APIError:
-    """An error of the chat path about a field this API names otherwise, in this API's names."""
-    if e.param in _OWN_NAMES:
-        e.message = e.message.replace(f"'{e.param}'", f"'{_OWN_NAMES[e.param]}'")
-        e.param = _OWN_NAMES[e.param]
-    return e
+    """An error of the chat path in this API's names."""
+    return P.renamed(e, {"stop": "stop_sequences", "user": "metadata.user_id"})
 
 
 def _unsupported(body: dict) -> None:

@@ -52,6 +52,17 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def renamed(e: APIError, names: dict[str, str], bare: tuple[str, ...] = ()) -> APIError:
+    """An error of the chat path about a field another API (Responses, Messages) names
+    otherwise, in that API's names: the param, and the name quoted in the message (anywhere
+    in it for the names in `bare`)."""
+    own = names.get(e.param)
+    if own is not None:
+        old, new = (e.param, own) if e.param in bare else (f"'{e.param}'", f"'{own}'")
+        e.message, e.param = e.message.replace(old, new), own
+    return e
+
+
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -342,6 +353,12 @@ class GenerationRequest:
         echo with logprobs and vLLM's prompt_logprobs read the same records."""
         wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
         return max(wanted) if wanted else None
+
+    def truncated(self, ids: list[int], context: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context length)."""
+        if self.truncate_prompt_tokens is None:
+            return ids
+        return ids[-(context if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens):]
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """Choice i of n draws with seed + i, so n seeded choices differ yet each is reproducible.

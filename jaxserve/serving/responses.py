@@ -140,15 +140,9 @@ def parse_responses(body: dict) -> ResponsesRequest:
                             max_output_tokens=chat.max_tokens)
 
 
-_OWN_NAMES = {"max_tokens": "max_output_tokens", "messages": "input"}
-
-
 def in_own_names(e: P.APIError) -> P.APIError:
-    """An error of the chat path about a field this API names otherwise, in this API's names."""
-    if e.param == "max_tokens":
-        e.message = e.message.replace("max_tokens", "max_output_tokens")
-    e.param = _OWN_NAMES.get(e.param, e.param)
-    return e
+    """An error of the chat path in this API's names (max_tokens is also named unquoted)."""
+    return P.renamed(e, {"max_tokens": "max_output_tokens", "messages": "input"}, bare=("max_tokens",))
 
 
 # The response object and its events ------------------------------------------------------
