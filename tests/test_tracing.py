@@ -189,8 +189,11 @@ def test_a_preempted_request_has_a_preempted_event(traced):
 
 
 def test_a_profile_of_live_traffic_holds_the_prefill_and_decode_scopes(traced):
-    """Requests stream while POST /debug/profile?seconds=1.5 captures; the Perfetto trace it
-    writes names the engine's jaxserve.prefill and jaxserve.decode steps."""
+    """Requests stream while POST /debug/profile?seconds=0.5 captures; the Perfetto trace it
+    writes names the engine's jaxserve.prefill and jaxserve.decode steps. Half a second holds
+    several requests of the tiny model; writing the trace is what takes long (every XLA
+    operation of every step is an event: 1.5 s of this traffic were ~1 M events and ~20 s of
+    stop_trace)."""
     url, _, _ = traced
     admin = {"Authorization": "Bearer admin-key"}
     assert httpx.post(f"{url}/debug/profile?seconds=1", timeout=30).status_code == 403
@@ -205,7 +208,7 @@ def test_a_profile_of_live_traffic_holds_the_prefill_and_decode_scopes(traced):
     worker = threading.Thread(target=traffic)
     worker.start()
     try:
-        r = httpx.post(f"{url}/debug/profile?seconds=1.5", headers=admin, timeout=120)
+        r = httpx.post(f"{url}/debug/profile?seconds=0.5", headers=admin, timeout=120)
     finally:
         stop.set()
         worker.join()
