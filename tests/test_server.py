@@ -400,8 +400,9 @@ def test_logit_bias_bans_and_forces_tokens(client, model, tok):
 
 def test_continue_final_message_and_echo(client, model, tok):
     """A chat whose last assistant message is continued is the completion of the template's
-    text cut after that message; an echoed completion is its prompt followed by the plain
-    completion's text, whole and streamed, for text and token-id prompts."""
+    text cut after that message (with vLLM's chat echo, that message's text first); an echoed
+    completion is its prompt followed by the plain completion's text, whole and streamed, for
+    text and token-id prompts."""
     begun = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
     cont = chat(client, model, begun, max_tokens=8, temperature=0,
                 extra_body={"continue_final_message": True, "add_generation_prompt": False})
@@ -413,6 +414,17 @@ def test_continue_final_message_and_echo(client, model, tok):
     assert cont.usage.prompt_tokens == same.usage.prompt_tokens
     fresh = chat(client, model, begun, max_tokens=8, temperature=0)  # a new assistant turn after it
     assert fresh.usage.prompt_tokens > cont.usage.prompt_tokens
+    # vLLM's chat echo: the continued reply whole, its begun text first (whole and streamed; logprobs
+    # and usage are the generated tokens'); after a user message there is nothing to echo
+    opts = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    echoed = chat(client, model, begun, max_tokens=8, temperature=0, logprobs=True, extra_body=opts)
+    assert echoed.choices[0].message.content == "The capital of France is" + cont.choices[0].message.content
+    assert echoed.usage.completion_tokens == len(echoed.choices[0].logprobs.content) == cont.usage.completion_tokens
+    streamed, _ = stream_text(chat(client, model, begun, max_tokens=8, temperature=0, stream=True, extra_body=opts))
+    assert streamed == echoed.choices[0].message.content
+    asked = chat(client, model, QUESTION, max_tokens=8, temperature=0, extra_body={"echo": True})
+    assert asked.choices[0].message.content == chat(client, model, QUESTION, max_tokens=8,
+                                                    temperature=0).choices[0].message.content
 
     prompt = "The three primary colors are"
     plain = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0).choices[0].text

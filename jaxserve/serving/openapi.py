@@ -120,6 +120,8 @@ _CHAT_REQUEST = {
         "continue_final_message": {"type": "boolean", "description": "go on with the last (assistant) message's "
                                    "text; needs add_generation_prompt: false"},
         "chat_template_kwargs": {"type": "object", "description": "extra variables for the chat template"},
+        "echo": {"type": "boolean", "description": "vLLM's: the answer's content starts with the last message's "
+                 "when that is an assistant message (with continue_final_message: the whole reply)"},
         **_SAMPLING,
     },
     "required": ["messages"],

@@ -340,7 +340,9 @@ class GenerationRequest:
     timeout: float | None = None  # seconds from arrival; past it the request is ended
     cache_salt: str | None = None  # vLLM's field: requests with different salts share no cached KV page
     chat_template: ChatTemplateOptions | None = None  # chat: how the conversation becomes the prompt
-    echo: bool = False  # completions: the answer's text (and with logprobs, its logprobs) starts with the prompt's
+    # completions: the answer's text (and with logprobs, its logprobs) starts with the prompt's; chat (vLLM's):
+    # the answer's content starts with the last message's when that is an assistant message
+    echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's field: each prompt token's logprob, rank and k alternatives
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage so far in every chunk
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
@@ -351,7 +353,8 @@ class GenerationRequest:
     def scores_prompt(self) -> int | None:
         """How many alternatives the engine keeps per prompt token (None: it scores no prompt):
         echo with logprobs and vLLM's prompt_logprobs read the same records."""
-        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        echoed = self.echo and not self.chat
+        wanted = [k for k in (self.logprobs if echoed else None, self.prompt_logprobs) if k is not None]
         return max(wanted) if wanted else None
 
     def truncated(self, ids: list[int], context: int) -> list[int]:
@@ -465,12 +468,13 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
                   param="min_tokens", code="invalid_value")
     template = _chat_template_options(body) if chat else None
     prompt_logprobs = _prompt_logprobs(body, stream)
-    echo = False if chat else _completion_only_features(body, n, max_tokens, prompt_logprobs)
+    echo = _field(body, "echo", bool, False) if chat else _completion_only_features(body, n, max_tokens,
+                                                                                 prompt_logprobs)
     truncate = _field(body, "truncate_prompt_tokens", int, None, lo=-1, hi=2**31 - 1)
     if truncate == 0:
         raise bad("'truncate_prompt_tokens' must be >= 1 (the prompt's last k tokens) or -1 (the context length)",
                   param="truncate_prompt_tokens", code="invalid_value")
-    if truncate is not None and echo:
+    if truncate is not None and echo and not chat:
         raise bad("'echo' with 'truncate_prompt_tokens': the prompt echoed would not be the prompt used",
                   param="truncate_prompt_tokens", code="invalid_value")
     seed = _field(body, "seed", int, None, lo=-(2**63), hi=2**64 - 1)
