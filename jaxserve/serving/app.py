@@ -252,16 +252,15 @@ class Responder:
         tok = served.tokenizer
         self.fmt = P.LogprobFormatter((lambda i: f"token_id:{i}") if req.tokens_as_ids else
                                       (lambda i: tok.decode([i], skip_special_tokens=False)))
-        # echo: a completion's prompt text, as sent (token ids: decoded), before its choices' text, and
-        # with logprobs its tokens' records (echo_scored); a chat's last message's text where that is the
-        # assistant's, as vLLM's echo (the reply a client began and asked to continue, whole again)
+        # echo: a completion's prompt text, as sent (token ids: decoded), before its choices' text (and
+        # with logprobs its tokens' records); a chat's last message's text where that is the assistant's,
+        # as vLLM's echo (the reply a client began and asked to continue, whole again)
         self.echo: list[str] | None = None
-        self.echo_scored = req.echo and not req.chat
-        if req.echo and req.chat:
+        if req.echoes_prompt:
+            self.echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in req.prompts]
+        elif req.echo:
             last = req.messages[-1]
             self.echo = [last["content"] if last["role"] == "assistant" else ""]
-        elif req.echo:
-            self.echo = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in req.prompts]
         self.scoring_only = req.max_tokens == 0  # echo and score the prompt; drop the one token sampled
         self.completion_tokens = 0  # streamed so far, all choices (continuous usage)
         self.unsent_prompt_ids: dict[int, list[int]] = {}  # return_token_ids: each completion choice's, once
@@ -394,7 +393,7 @@ class Responder:
             ev: TokenEvent = item
             if index in unechoed:
                 c = unechoed.pop(index)
-                lps = self._logprobs(self._prompt_records(c, ev)) if self.echo_scored else None
+                lps = self._logprobs(self._prompt_records(c, ev)) if self.req.echoes_prompt else None
                 offsets[index] = sum(map(len, lps["tokens"])) if lps else len(self.echo[c.prompt_index])
                 if self.echo[c.prompt_index] or not self.req.chat:
                     yield self._sse(self._chunk([self._piece(index, self.echo[c.prompt_index], None, lps)]))
@@ -435,7 +434,7 @@ class Responder:
         req = self.req
         results = {c.index: ChoiceResult(text=self.echo[c.prompt_index] if self.echo else "") for c in choices}
         # a choice's first event carries its prompt's records: echoed, or vLLM's prompt_logprobs, or both
-        unscored = {c.index: c for c in choices} if self.echo_scored or req.prompt_logprobs is not None else {}
+        unscored = {c.index: c for c in choices} if req.echoes_prompt or req.prompt_logprobs is not None else {}
         async for index, item in self._events(choices):
             err = _error_of(item)
             if err is not None:
@@ -443,7 +442,7 @@ class Responder:
             r = results[index]
             if index in unscored:
                 prompt = self._prompt_records(unscored.pop(index), item)
-                if self.echo_scored:  # the engine kept max(logprobs, prompt_logprobs) alternatives
+                if req.echoes_prompt:  # the engine kept max(logprobs, prompt_logprobs) alternatives
                     r.logprobs.extend({**x, "top": x["top"][:req.logprobs]} if x["top"] else x for x in prompt)
                 if req.prompt_logprobs is not None:
                     r.prompt_logprobs = self.fmt.prompt(prompt, req.prompt_logprobs)

@@ -350,11 +350,15 @@ class GenerationRequest:
     truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last k tokens (-1: the context)
 
     @property
+    def echoes_prompt(self) -> bool:
+        """A completion's echo: its answer repeats the prompt (a chat's echo repeats a message)."""
+        return self.echo and not self.chat
+
+    @property
     def scores_prompt(self) -> int | None:
         """How many alternatives the engine keeps per prompt token (None: it scores no prompt):
         echo with logprobs and vLLM's prompt_logprobs read the same records."""
-        echoed = self.echo and not self.chat
-        wanted = [k for k in (self.logprobs if echoed else None, self.prompt_logprobs) if k is not None]
+        wanted = [k for k in (self.logprobs if self.echoes_prompt else None, self.prompt_logprobs) if k is not None]
         return max(wanted) if wanted else None
 
     def truncated(self, ids: list[int], context: int) -> list[int]:
@@ -474,7 +478,7 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
     if truncate == 0:
         raise bad("'truncate_prompt_tokens' must be >= 1 (the prompt's last k tokens) or -1 (the context length)",
                   param="truncate_prompt_tokens", code="invalid_value")
-    if truncate is not None and echo and not chat:
+    if truncate is not None and echo and not chat:  # a chat's echo repeats a message, not the prompt
         raise bad("'echo' with 'truncate_prompt_tokens': the prompt echoed would not be the prompt used",
                   param="truncate_prompt_tokens", code="invalid_value")
     seed = _field(body, "seed", int, None, lo=-(2**63), hi=2**64 - 1)
