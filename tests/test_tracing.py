@@ -192,8 +192,8 @@ def test_a_profile_of_live_traffic_holds_the_prefill_and_decode_scopes(traced):
     """Requests stream while POST /debug/profile?seconds=0.5 captures; the Perfetto trace it
     writes names the engine's jaxserve.prefill and jaxserve.decode steps. Half a second holds
     several requests of the tiny model; writing the trace is what takes long (every XLA
-    operation of every step is an event: 1.5 s of this traffic were ~1 M events and ~20 s of
-    stop_trace)."""
+    operation of every step is an event: BENCHMARKS.md, "What a profile costs to write"; with
+    1.5 s this test took 24 s)."""
     url, _, _ = traced
     admin = {"Authorization": "Bearer admin-key"}
     assert httpx.post(f"{url}/debug/profile?seconds=1", timeout=30).status_code == 403
