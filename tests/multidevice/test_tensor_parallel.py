@@ -3,7 +3,9 @@
 Run by tests/test_tensor_parallel.py in a pytest session of its own, so that the rest of the
 suite keeps one device. The expected values are the engine's own at tensor_parallel_size 1:
 greedy tokens must be identical and log-probabilities equal within float32 rounding (the
-split changes the order of the row-parallel sums, nothing else).
+split changes the order of the row-parallel sums, nothing else), except where the step itself
+rounds floats to a grid (W8A8's activations, an int8 or fp8 KV cache): there a last-bit
+difference can move one element to the next grid point (see _assert_same).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (forced 
 SMALL = dict(max_num_seqs=4, max_model_len=128, decode_batch_buckets=(4,), context_buckets=(128,),
              prefill_batch_buckets=(4,), prefill_length_buckets=(32,), num_pages=48)
 LOGPROB_ATOL = 1e-4
+# Where a step rounds floats to a grid, the mean and the largest log-probability difference allowed.
+# A last-bit difference before the rounding (the row-parallel sums' order) can move one element by
+# one step of the grid: on an Intel Xeon (2026-12-07) one of 48 W8A8 steps moved by 3.1e-3 (mean over
+# all 3.96e-05), the other two prompt sets by under 1e-6; W8A8 itself moves them from the float
+# model's by 1.5e-2 to 3.7e-2 on the mean (the same prompts), 15x this bound and more.
+ROUNDED_MEAN_ATOL, ROUNDED_MAX_ATOL = 1e-3, 2e-2
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +73,12 @@ def _assert_same(model_dir, tp: int, prompts, llm: LLM | None = None, **options)
     llm, tokens_n, logprobs_n = _generate(llm or _llm(model_dir, tp, **options), prompts)
     assert llm.engine.runner.mesh.size == tp
     assert tokens_n == tokens_1
-    np.testing.assert_allclose(np.asarray(logprobs_n), np.asarray(logprobs_1), atol=LOGPROB_ATOL, rtol=0)
+    logprobs_n, logprobs_1 = np.asarray(logprobs_n), np.asarray(logprobs_1)
+    if options.get("quantization") == "w8a8" or options.get("kv_cache_dtype", "auto") != "auto":
+        diff = np.abs(logprobs_n - logprobs_1)
+        assert diff.mean() <= ROUNDED_MEAN_ATOL and diff.max() <= ROUNDED_MAX_ATOL, (diff.mean(), diff.max())
+    else:
+        np.testing.assert_allclose(logprobs_n, logprobs_1, atol=LOGPROB_ATOL, rtol=0)
     return llm
 
 
