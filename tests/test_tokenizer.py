@@ -157,3 +157,40 @@ def test_template_variables_that_break_the_template_are_the_clients_400(default_
         plan_choices(served, P.parse_generation({**tool, "chat_template_kwargs": {"raise_exception": 3}}, chat=True,
                                                 max_n=1))
     assert e.value.status == 400 and e.value.param == "chat_template_kwargs"
+
+
+# Documents rendered before the conversation, as a retrieval-augmented template does.
+DOCUMENTS_STYLE = ("{% if documents %}<docs>{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}</docs>"
+                   "{% endif %}" + LLAMA3_STYLE)
+
+
+def test_documents_reach_the_template_and_bad_ones_are_the_clients_400(default_model_dir, tmp_path):
+    """vLLM's `documents` are the template's `documents`; with none (or with the default model's
+    template, which reads none) the prompt is the conversation's alone."""
+    from types import SimpleNamespace
+
+    from jaxserve.engine.limits import RequestLimits
+    from jaxserve.serving import protocol as P
+    from jaxserve.serving.app import plan_choices
+
+    limits = RequestLimits(vocab_size=49152, max_model_len=512, pool_tokens=4096)
+    rag = SimpleNamespace(tokenizer=Tokenizer(_with_template(default_model_dir, tmp_path, DOCUMENTS_STYLE)),
+                          limits=limits)
+    plain = SimpleNamespace(tokenizer=Tokenizer(default_model_dir), limits=limits)
+    body = {"messages": [{"role": "user", "content": "Where is the lantern?"}], "max_tokens": 4}
+    docs = [{"title": "Inventory", "text": "The lantern is in the shed."}, {"title": "Note", "text": "Bring oil."}]
+
+    def prompt(served, body):
+        return served.tokenizer.decode(plan_choices(served, P.parse_generation(body, chat=True, max_n=1))[0][0].prompt_ids)
+
+    with_docs = prompt(rag, {**body, "documents": docs})
+    assert with_docs.startswith("<docs>[Inventory] The lantern is in the shed.\n[Note] Bring oil.\n</docs>")
+    assert with_docs.endswith(prompt(rag, body)) and prompt(rag, body) == prompt(rag, {**body, "documents": []})
+    assert prompt(plain, {**body, "documents": docs}) == prompt(plain, body)
+    for bad in ("The lantern is in the shed.", [["Inventory", "The lantern"]], [{"title": "Inventory", "page": 3}]):
+        with pytest.raises(P.APIError) as e:
+            P.parse_generation({**body, "documents": bad}, chat=True, max_n=1)
+        assert e.value.status == 400 and e.value.param == "documents", bad
+    with pytest.raises(P.APIError) as e:
+        P.parse_generation({**body, "documents": docs, "chat_template_kwargs": {"documents": []}}, chat=True, max_n=1)
+    assert e.value.status == 400 and e.value.param == "documents" and "twice" in e.value.message

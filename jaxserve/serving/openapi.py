@@ -120,6 +120,9 @@ _CHAT_REQUEST = {
         "continue_final_message": {"type": "boolean", "description": "go on with the last (assistant) message's "
                                    "text; needs add_generation_prompt: false"},
         "chat_template_kwargs": {"type": "object", "description": "extra variables for the chat template"},
+        "documents": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "string"}},
+                      "description": "vLLM's: documents for retrieval-augmented generation (such as title and "
+                      "text), the chat template's `documents`; a template that reads none ignores them"},
         "echo": {"type": "boolean", "description": "vLLM's: the answer's content starts with the last message's "
                  "when that is an assistant message (with continue_final_message: the whole reply)"},
         **_SAMPLING,
@@ -158,6 +161,7 @@ _TOKENIZE_REQUEST = {
             "add_generation_prompt": _CHAT_REQUEST["properties"]["add_generation_prompt"],
             "continue_final_message": _CHAT_REQUEST["properties"]["continue_final_message"],
             "chat_template_kwargs": _CHAT_REQUEST["properties"]["chat_template_kwargs"],
+            "documents": _CHAT_REQUEST["properties"]["documents"],
             "add_special_tokens": {"const": False, "description": "the template writes the special tokens"},
             "return_token_strs": {"type": "boolean"}}, "required": ["messages"], "not": {"required": ["prompt"]}},
     ],

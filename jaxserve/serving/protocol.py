@@ -393,7 +393,27 @@ def _chat_template_options(body: dict) -> ChatTemplateOptions:
     if clash:
         raise bad(f"'chat_template_kwargs' must not set {clash[0]!r}: it is the request's own field",
                   param="chat_template_kwargs", code="invalid_value")
+    documents = _documents(body)
+    if documents is not None:
+        if "documents" in kwargs:
+            raise bad("'documents' is set twice, as the request's field and in 'chat_template_kwargs'",
+                      param="documents", code="invalid_value")
+        kwargs = {**kwargs, "documents": documents}
     return ChatTemplateOptions(add, cont, kwargs)
+
+
+def _documents(body: dict) -> list[dict] | None:
+    """vLLM's `documents` for retrieval-augmented generation: a list of objects of strings
+    (a title and a text, say) handed to the chat template as `documents`. A template that
+    reads no documents (the default model's) renders the conversation as without them."""
+    docs = body.get("documents")
+    if docs is None:
+        return None
+    if not (isinstance(docs, list) and all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values())
+                                           for d in docs)):
+        raise bad("'documents' must be a list of objects whose values are strings (such as a title and a text)",
+                  param="documents", code="invalid_type")
+    return docs
 
 
 def _prompt_logprobs(body: dict, stream: bool) -> int | None:
