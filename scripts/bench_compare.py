@@ -78,15 +78,27 @@ def server_command(name: str, port: int, max_slots: int, ctx_per_slot: int, extr
                                 stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1]
         return [str(ROOT / binary), "-m", str(gguf_path()), "--host", "127.0.0.1", "--port", str(port),
                 "-np", str(max_slots), "-c", str(max_slots * ctx_per_slot), "-t", cores, "-tb", cores,
-                "--cont-batching", "-a", "smollm2-135m-instruct"]
+                "--cont-batching", "-a", "smollm2-135m-instruct", *extra]
     raise ValueError(f"unknown server {name!r}")
+
+
+# llama.cpp's weight repacking for Intel AMX crashed its start-up warm-up on an Intel Xeon VM
+# (SIGSEGV in ggml_backend_amx_mul_mat, 2026-12-07); a llama-server killed by a signal before it
+# was healthy is started once more without repacking, and the table's command line says so.
+LLAMA_FALLBACK = ["--no-repack"]
+
+
+class ServerExited(RuntimeError):
+    def __init__(self, returncode: int, log: Path):
+        super().__init__(f"server exited with {returncode}; see {log}")
+        self.returncode = returncode
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 900) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
+            raise ServerExited(proc.returncode, log)
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return time.monotonic() - t0
@@ -269,7 +281,13 @@ def main() -> int:
     runs, commands, startup = {}, {}, {}
     for name in args.servers.split(","):
         extra = shlex.split(args.jaxserve_args) if name == "jaxserve" else []
-        cmd, runs[name], startup[name] = serve_and_sweep(name, name, extra, args, out, slots)
+        try:
+            cmd, runs[name], startup[name] = serve_and_sweep(name, name, extra, args, out, slots)
+        except ServerExited as e:
+            if name != "llama-server" or e.returncode >= 0:
+                raise
+            print(f"llama-server: {e}; starting it again with {' '.join(LLAMA_FALLBACK)}", file=sys.stderr)
+            cmd, runs[name], startup[name] = serve_and_sweep(name, name, LLAMA_FALLBACK, args, out, slots)
         commands[name] = cmd
     report.save_json(out / "compare.json", {"machine": machine, "runs": runs,
                                             "commands": {k: shlex.join(v) for k, v in commands.items()}})

@@ -281,7 +281,7 @@ PAGE_SIZE = EngineConfig().page_size  # the cluster config leaves it: the prefix
 TOPICS = ["rivers", "bread", "owls", "trains", "tea", "comets", "bees", "maps", "kites"]
 
 
-def _hit_rate(cluster: Cluster, model: str, conversations: int = 9, turns: int = 3) -> float:
+def _hit_rate(cluster: Cluster, model: str, conversations: int = len(TOPICS), turns: int = 3) -> float:
     """The share of each later turn's cacheable context that the replica found cached, over
     `conversations` chats of `turns` turns. Cacheable: the previous turn's prompt and answer
     but its last token (whose KV was never computed), in whole pages (the prefix cache holds
@@ -327,7 +327,7 @@ def test_prefix_affinity_finds_repeated_prompts_cached_where_random_routing_does
     # took twice as long).
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         affinity, random_ = pool.map(lambda model: _hit_rate(cluster, model), ["smol", "smol-random"])
-    print(f"cached share of cacheable prompt tokens, 9 conversations x 3 turns over 2 replicas: "
+    print(f"cached share of cacheable prompt tokens, {len(TOPICS)} conversations x 3 turns over 2 replicas: "
           f"prefix affinity {affinity:.1%}, random {random_:.1%}")
     # All hits read 100 %. Random routing misses a chat's newest pages half the time, and a
     # miss finds a third of them, or three quarters where a third turn lands back on the

@@ -96,7 +96,7 @@ def parse_messages(body: dict, *, counting: bool = False) -> P.GenerationRequest
         if body.get("max_tokens") is None:
             raise P.bad("'max_tokens' is required", param="max_tokens", code="missing_required_parameter")
         chat_body["max_tokens"] = body["max_tokens"]
-    P._field(body, "temperature", float, lo=0, hi=1)  # Anthropic's range, narrower than OpenAI's
+    P.typed_field(body, "temperature", float, lo=0, hi=1)  # Anthropic's range, narrower than OpenAI's
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list):  # (chat's `stop` also takes one string; Anthropic's does not)

@@ -114,8 +114,8 @@ def _ints(values: list) -> list[int]:
     return [int(x) for x in values]
 
 
-def _field(body: dict, name: str, kind: type, default: Any = None, *, lo=None, hi=None,
-           lo_open: bool = False) -> Any:
+def typed_field(body: dict, name: str, kind: type, default: Any = None, *, lo=None, hi=None,
+                lo_open: bool = False) -> Any:
     """body[name] checked to be of `kind` (JSON null means absent) and inside [lo, hi] / (lo, hi]."""
     value = body.get(name)
     if value is None:
@@ -147,7 +147,7 @@ def _priority(body: dict) -> int | str | None:
     value = body.get("priority")
     if isinstance(value, str) and 0 < len(value) <= 64:
         return value
-    return _field(body, "priority", int, None, lo=-(2**31), hi=2**31 - 1)
+    return typed_field(body, "priority", int, None, lo=-(2**31), hi=2**31 - 1)
 
 
 def _token_ids(body: dict, name: str) -> tuple[int, ...]:
@@ -183,7 +183,7 @@ def _logit_bias(body: dict) -> dict[int, float]:
         if bias is None:
             raise bad(f"'logit_bias' for token {key} must be a number, got null", param="logit_bias",
                       code="invalid_type")
-        out[int(key)] = _field({"logit_bias": bias}, "logit_bias", float, lo=-100, hi=100)
+        out[int(key)] = typed_field({"logit_bias": bias}, "logit_bias", float, lo=-100, hi=100)
     return out
 
 
@@ -379,8 +379,8 @@ _TEMPLATE_OWN_NAMES = ("messages", "add_generation_prompt")
 
 
 def _chat_template_options(body: dict) -> ChatTemplateOptions:
-    add = _field(body, "add_generation_prompt", bool, True)
-    cont = _field(body, "continue_final_message", bool, False)
+    add = typed_field(body, "add_generation_prompt", bool, True)
+    cont = typed_field(body, "continue_final_message", bool, False)
     if add and cont:
         raise bad("'continue_final_message' continues the last message, so 'add_generation_prompt' must be "
                   "false with it", param="add_generation_prompt", code="invalid_value")
@@ -419,7 +419,7 @@ def _documents(body: dict) -> list[dict] | None:
 def _prompt_logprobs(body: dict, stream: bool) -> int | None:
     """vLLM's `prompt_logprobs`: k alternatives per prompt token (0: the token's own logprob and
     rank alone). Not streamed (as in vLLM): they would all come in the first chunk anyway."""
-    k = _field(body, "prompt_logprobs", int, None, lo=0, hi=SamplingParams.MAX_LOGPROBS)
+    k = typed_field(body, "prompt_logprobs", int, None, lo=0, hi=SamplingParams.MAX_LOGPROBS)
     if k is not None and stream:
         raise bad("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs",
                   code="invalid_value")
@@ -430,15 +430,15 @@ def _completion_only_features(body: dict, n: int, max_tokens: int | None, prompt
     """`echo` (with `logprobs`: the prompt's tokens scored too, and max_tokens 0 for a prompt
     scored alone: how evaluation harnesses score text); `suffix` and `best_of` past n are
     400s: this server does not fill in the middle or rank candidates."""
-    echo = _field(body, "echo", bool, False)
+    echo = typed_field(body, "echo", bool, False)
     if max_tokens == 0 and not echo and prompt_logprobs is None:
         raise bad("'max_tokens' 0 generates nothing: it is for scoring a prompt, with 'echo' true (and 'logprobs') "
                   "or with 'prompt_logprobs'", param="max_tokens", code="invalid_value")
-    suffix = _field(body, "suffix", str, None)
+    suffix = typed_field(body, "suffix", str, None)
     if suffix:
         raise bad("'suffix' (fill in the middle) is not supported by this server", param="suffix",
                   code="unsupported_value")
-    best_of = _field(body, "best_of", int, None, lo=1, hi=2**31 - 1)
+    best_of = typed_field(body, "best_of", int, None, lo=1, hi=2**31 - 1)
     if best_of is not None and best_of != n:
         raise bad(f"'best_of' other than n is not supported by this server (best_of {best_of}, n {n}): it "
                   "returns every choice it generates", param="best_of", code="unsupported_value")
@@ -449,42 +449,42 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
     model = _model(body)
     messages = _messages(body) if chat else None
     prompts = None if chat else _prompts(body)
-    stream = _field(body, "stream", bool, False)
+    stream = typed_field(body, "stream", bool, False)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", param="stream_options", code="invalid_type")
-    include_usage = bool(_field(opts or {}, "include_usage", bool, False))
-    continuous_usage = include_usage and bool(_field(opts or {}, "continuous_usage_stats", bool, False))
+    include_usage = bool(typed_field(opts or {}, "include_usage", bool, False))
+    continuous_usage = include_usage and bool(typed_field(opts or {}, "continuous_usage_stats", bool, False))
     # 0 only with a completion's echo: the prompt scored, nothing generated (checked below)
-    max_tokens = _field(body, "max_tokens", int, lo=0 if not chat else 1, hi=2**31 - 1)
+    max_tokens = typed_field(body, "max_tokens", int, lo=0 if not chat else 1, hi=2**31 - 1)
     if chat:
-        max_tokens = _field(body, "max_completion_tokens", int, max_tokens, lo=1, hi=2**31 - 1)
-    n = _field(body, "n", int, 1, lo=1, hi=max_n)
+        max_tokens = typed_field(body, "max_completion_tokens", int, max_tokens, lo=1, hi=2**31 - 1)
+    n = typed_field(body, "n", int, 1, lo=1, hi=max_n)
     top_max = SamplingParams.MAX_LOGPROBS
     if chat:
-        want = _field(body, "logprobs", bool, False)
-        top = _field(body, "top_logprobs", int, None, lo=0, hi=top_max)
+        want = typed_field(body, "logprobs", bool, False)
+        top = typed_field(body, "top_logprobs", int, None, lo=0, hi=top_max)
         if top is not None and not want:
             raise bad("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs", code="invalid_value")
         logprobs = (top or 0) if want else None
     else:
-        logprobs = _field(body, "logprobs", int, None, lo=0, hi=top_max)
+        logprobs = typed_field(body, "logprobs", int, None, lo=0, hi=top_max)
     sampling = dict(
-        temperature=_field(body, "temperature", float, 1.0, lo=0, hi=2),
-        top_p=_field(body, "top_p", float, 1.0, lo=0, hi=1, lo_open=True),
-        top_k=_field(body, "top_k", int, 0, lo=-1, hi=2**31 - 1),
-        min_p=_field(body, "min_p", float, 0.0, lo=0, hi=1),
-        presence_penalty=_field(body, "presence_penalty", float, 0.0, lo=-2, hi=2),
-        frequency_penalty=_field(body, "frequency_penalty", float, 0.0, lo=-2, hi=2),
-        repetition_penalty=_field(body, "repetition_penalty", float, 1.0, lo=0, lo_open=True),
-        ignore_eos=_field(body, "ignore_eos", bool, False),
-        min_tokens=_field(body, "min_tokens", int, 0, lo=0, hi=2**31 - 1),
+        temperature=typed_field(body, "temperature", float, 1.0, lo=0, hi=2),
+        top_p=typed_field(body, "top_p", float, 1.0, lo=0, hi=1, lo_open=True),
+        top_k=typed_field(body, "top_k", int, 0, lo=-1, hi=2**31 - 1),
+        min_p=typed_field(body, "min_p", float, 0.0, lo=0, hi=1),
+        presence_penalty=typed_field(body, "presence_penalty", float, 0.0, lo=-2, hi=2),
+        frequency_penalty=typed_field(body, "frequency_penalty", float, 0.0, lo=-2, hi=2),
+        repetition_penalty=typed_field(body, "repetition_penalty", float, 1.0, lo=0, lo_open=True),
+        ignore_eos=typed_field(body, "ignore_eos", bool, False),
+        min_tokens=typed_field(body, "min_tokens", int, 0, lo=0, hi=2**31 - 1),
         stop=_stop(body),
-        include_stop_str_in_output=_field(body, "include_stop_str_in_output", bool, False),
+        include_stop_str_in_output=typed_field(body, "include_stop_str_in_output", bool, False),
         logit_bias=_logit_bias(body),
         stop_token_ids=_token_ids(body, "stop_token_ids"),
-        skip_special_tokens=_field(body, "skip_special_tokens", bool, True),
-        speculative=_field(body, "speculative", bool, True),
+        skip_special_tokens=typed_field(body, "skip_special_tokens", bool, True),
+        speculative=typed_field(body, "speculative", bool, True),
     )
     _unsupported_features(body)
     if max_tokens is not None and sampling["min_tokens"] > max(max_tokens, 1):
@@ -492,26 +492,26 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
                   param="min_tokens", code="invalid_value")
     template = _chat_template_options(body) if chat else None
     prompt_logprobs = _prompt_logprobs(body, stream)
-    echo = _field(body, "echo", bool, False) if chat else _completion_only_features(body, n, max_tokens,
+    echo = typed_field(body, "echo", bool, False) if chat else _completion_only_features(body, n, max_tokens,
                                                                                  prompt_logprobs)
-    truncate = _field(body, "truncate_prompt_tokens", int, None, lo=-1, hi=2**31 - 1)
+    truncate = typed_field(body, "truncate_prompt_tokens", int, None, lo=-1, hi=2**31 - 1)
     if truncate == 0:
         raise bad("'truncate_prompt_tokens' must be >= 1 (the prompt's last k tokens) or -1 (the context length)",
                   param="truncate_prompt_tokens", code="invalid_value")
     if truncate is not None and echo and not chat:  # a chat's echo repeats a message, not the prompt
         raise bad("'echo' with 'truncate_prompt_tokens': the prompt echoed would not be the prompt used",
                   param="truncate_prompt_tokens", code="invalid_value")
-    seed = _field(body, "seed", int, None, lo=-(2**63), hi=2**64 - 1)
+    seed = typed_field(body, "seed", int, None, lo=-(2**63), hi=2**64 - 1)
     user = body.get("user") if isinstance(body.get("user"), str) else None
     return GenerationRequest(chat=chat, model=model, messages=messages, prompts=prompts, stream=stream,
                              include_usage=include_usage, n=n, max_tokens=max_tokens, logprobs=logprobs,
                              sampling=sampling, seed=seed, user=user,
                              priority=_priority(body),
-                             timeout=_field(body, "timeout", float, None, lo=0, lo_open=True),
+                             timeout=typed_field(body, "timeout", float, None, lo=0, lo_open=True),
                              cache_salt=_cache_salt(body), chat_template=template, echo=echo,
                              prompt_logprobs=prompt_logprobs, continuous_usage=continuous_usage,
-                             return_token_ids=_field(body, "return_token_ids", bool, False),
-                             tokens_as_ids=_field(body, "return_tokens_as_token_ids", bool, False),
+                             return_token_ids=typed_field(body, "return_token_ids", bool, False),
+                             tokens_as_ids=typed_field(body, "return_tokens_as_token_ids", bool, False),
                              truncate_prompt_tokens=truncate)
 
 
@@ -563,14 +563,14 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
     if body.get("chat_template"):
         raise bad("'chat_template' (a chat template sent with the request) is not supported by this server: the "
                   "model's own is used", param="chat_template", code="unsupported_value")
-    add_special = _field(body, "add_special_tokens", bool, not chat)
+    add_special = typed_field(body, "add_special_tokens", bool, not chat)
     if chat and add_special:
         raise bad("'add_special_tokens' with 'messages': the chat template writes the special tokens itself",
                   param="add_special_tokens", code="invalid_value")
     return TokenizeRequest(model=_model(body), prompt=prompt, messages=_messages(body) if chat else None,
                            chat_template=_chat_template_options(body) if chat else None,
                            add_special_tokens=add_special,
-                           return_token_strs=_field(body, "return_token_strs", bool, False))
+                           return_token_strs=typed_field(body, "return_token_strs", bool, False))
 
 
 def parse_detokenize(body: dict) -> tuple[str | None, list[int]]:
