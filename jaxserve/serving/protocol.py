@@ -493,7 +493,7 @@ def parse_generation(body: dict, *, chat: bool, max_n: int) -> GenerationRequest
     template = _chat_template_options(body) if chat else None
     prompt_logprobs = _prompt_logprobs(body, stream)
     echo = typed_field(body, "echo", bool, False) if chat else _completion_only_features(body, n, max_tokens,
-                                                                                 prompt_logprobs)
+                                                                                         prompt_logprobs)
     truncate = typed_field(body, "truncate_prompt_tokens", int, None, lo=-1, hi=2**31 - 1)
     if truncate == 0:
         raise bad("'truncate_prompt_tokens' must be >= 1 (the prompt's last k tokens) or -1 (the context length)",
