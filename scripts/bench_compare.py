@@ -121,6 +121,13 @@ def start_server(name: str, label: str, extra: list[str], slots: int, ctx: int, 
                  ) -> tuple[subprocess.Popen, str, list[str]]:
     """Start server `name` (server_command) on a free port, logging to `log`, and wait until it
     is healthy: (process, base URL, command)."""
+    return _launch(name, label, extra, slots, ctx, log)[:3]
+
+
+def _launch(name: str, label: str, extra: list[str], slots: int, ctx: int, log: Path
+            ) -> tuple[subprocess.Popen, str, list[str], float]:
+    """start_server, and the seconds until healthy; a llama-server killed by a signal on the way
+    is started once more with LLAMA_FALLBACK."""
     port = free_port()
     cmd = server_command(name, port, slots, ctx, extra)
     print(f"== {label}: {shlex.join(cmd)}", file=sys.stderr)
@@ -128,11 +135,15 @@ def start_server(name: str, label: str, extra: list[str], slots: int, ctx: int, 
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(proc, url, log)
+        return proc, url, cmd, wait_healthy(proc, url, log)
+    except ServerExited as e:
+        if name != "llama-server" or e.returncode >= 0 or LLAMA_FALLBACK[0] in extra:
+            raise
+        print(f"llama-server: {e}; starting it again with {' '.join(LLAMA_FALLBACK)}", file=sys.stderr)
+        return _launch(name, label, [*extra, *LLAMA_FALLBACK], slots, ctx, log)
     except Exception:
         stop(proc)
         raise
-    return proc, url, cmd
 
 
 def bench_once(url: str, label: str, *flags: str) -> dict:
@@ -205,15 +216,9 @@ def write_benchmarks_md(section: str, path: Path, start: str = START, end: str =
 
 def serve_and_sweep(server: str, label: str, extra: list[str], args, out: Path, slots: int):
     """Start one server, sweep it with `jaxserve bench`, stop it: (command, results, start-up s)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = server_command(server, port, slots, ctx_per_slot=args.input_len + args.output_len + 64, extra=extra)
-    log = out / f"{label.split(' ')[0]}.log"
-    print(f"== {label}: {shlex.join(cmd)}", file=sys.stderr)
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    proc, url, cmd, startup = _launch(server, label, extra, slots, args.input_len + args.output_len + 64,
+                                      out / f"{label.split(' ')[0]}.log")
     try:
-        startup = wait_healthy(proc, url, log)
         bench = argparse.ArgumentParser()
         add_arguments(bench)
         bargs = bench.parse_args(["--url", url, "--tokenizer", str(DEFAULT_DIR), "--num-prompts", args.num_prompts,
@@ -281,14 +286,7 @@ def main() -> int:
     runs, commands, startup = {}, {}, {}
     for name in args.servers.split(","):
         extra = shlex.split(args.jaxserve_args) if name == "jaxserve" else []
-        try:
-            cmd, runs[name], startup[name] = serve_and_sweep(name, name, extra, args, out, slots)
-        except ServerExited as e:
-            if name != "llama-server" or e.returncode >= 0:
-                raise
-            print(f"llama-server: {e}; starting it again with {' '.join(LLAMA_FALLBACK)}", file=sys.stderr)
-            cmd, runs[name], startup[name] = serve_and_sweep(name, name, LLAMA_FALLBACK, args, out, slots)
-        commands[name] = cmd
+        commands[name], runs[name], startup[name] = serve_and_sweep(name, name, extra, args, out, slots)
     report.save_json(out / "compare.json", {"machine": machine, "runs": runs,
                                             "commands": {k: shlex.join(v) for k, v in commands.items()}})
     report.plot(runs, out / "compare.png", title=f"SmolLM2-135M, {machine['cores']} CPU cores: "
